@@ -1,0 +1,26 @@
+"""Stop a diverged run from publishing checkpoints, on every rank.
+
+Public API:
+
+- :class:`FiniteGradCheckpoint`: drop-in ``ModelCheckpoint`` that agrees across ranks before any write.
+- :class:`NonFiniteGradientError`: raised on every rank when a boundary is rejected.
+- :class:`GradientGuard` and :class:`Verdict`: the recording and agreement core, usable without a Trainer.
+"""
+
+from lightning_ckguard.agreement import RankReport, Verdict
+from lightning_ckguard.callback import FiniteGradCheckpoint
+from lightning_ckguard.errors import NonFiniteGradientError
+from lightning_ckguard.guard import GradientGuard
+from lightning_ckguard.sources import GradientSource, ParameterGradients
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FiniteGradCheckpoint",
+    "GradientGuard",
+    "GradientSource",
+    "NonFiniteGradientError",
+    "ParameterGradients",
+    "RankReport",
+    "Verdict",
+]

@@ -1,0 +1,47 @@
+"""Argument checks at construction: a clear ``ValueError`` that names the argument."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+POLICIES = ("raise", "skip", "stop")
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_type(name: str, value: Any, expected: tuple[type, ...], description: str, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    # bool is an int subclass; an int argument given True/False is almost certainly a mistake
+    if bool not in expected and isinstance(value, bool):
+        raise ValueError(f"`{name}` must be {description}, got {_describe(value)}.")
+    if not isinstance(value, expected):
+        raise ValueError(f"`{name}` must be {description}, got {_describe(value)}.")
+
+
+def validate_arguments(arguments: dict[str, Any]) -> None:
+    """Check the types of every ``FiniteGradCheckpoint`` argument. Value ranges that ``ModelCheckpoint`` itself
+    checks are left to it, so its errors stay exactly the same."""
+    policy = arguments["on_non_finite"]
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(f"`on_non_finite` must be one of {', '.join(map(repr, POLICIES))}, got {_describe(policy)}.")
+    for flag in ("count_skipped_steps", "verbose", "save_on_exception", "save_weights_only", "auto_insert_metric_name",
+                 "enable_version_counter"):
+        _check_type(flag, arguments[flag], (bool,), "a bool")
+    _check_type("save_on_train_epoch_end", arguments["save_on_train_epoch_end"], (bool,), "a bool or None", True)
+    _check_type("dirpath", arguments["dirpath"], (str, os.PathLike), "a path or None", True)
+    for text in ("filename", "monitor"):
+        _check_type(text, arguments[text], (str,), "a str or None", True)
+    _check_type("mode", arguments["mode"], (str,), "'min' or 'max'")
+    save_last = arguments["save_last"]
+    if not (save_last is None or isinstance(save_last, bool) or save_last == "link"):
+        raise ValueError(f"`save_last` must be None, True, False or 'link', got {_describe(save_last)}.")
+    _check_type("save_top_k", arguments["save_top_k"], (int,), "an int")
+    for count in ("every_n_train_steps", "every_n_epochs"):
+        _check_type(count, arguments[count], (int,), "an int or None", True)
+    _check_type("train_time_interval", arguments["train_time_interval"], (timedelta,), "a datetime.timedelta or None",
+                True)

@@ -1,0 +1,177 @@
+"""Agreement: one collective per boundary, and the verdict every rank derives from it.
+
+Each rank contributes a small integer summary of its window. One ``all_gather`` gives every rank every summary, so
+every rank reaches the same verdict from the same data: no rank ever decides alone. The verdict is a pure function
+of the gathered summaries (:func:`evaluate_reports`), mirroring how Lightning's ``EarlyStopping`` separates the
+decision from the hook that applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_ckguard import window as w
+from lightning_ckguard.errors import NonFiniteGradientError
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank recorded in its window."""
+
+    rank: int
+    non_finite_steps: int
+    first_step: int
+    last_step: int
+    skipped_steps: int
+    first_skipped_step: int
+    last_skipped_step: int
+    pending_rejection: bool
+    num_parameters: int
+    parameter_indices: tuple[int, ...]
+
+    @classmethod
+    def from_summary(cls, rank: int, row: Sequence[int]) -> RankReport:
+        return cls(
+            rank=rank,
+            non_finite_steps=row[w.APPLIED],
+            first_step=row[w.FIRST_APPLIED],
+            last_step=row[w.LAST_APPLIED],
+            skipped_steps=row[w.SKIPPED],
+            first_skipped_step=row[w.FIRST_SKIPPED],
+            last_skipped_step=row[w.LAST_SKIPPED],
+            pending_rejection=bool(row[w.PENDING]),
+            num_parameters=row[w.NUM_PARAMETERS],
+            parameter_indices=tuple(i for i in row[w.SUMMARY_HEADER :] if i >= 0),
+        )
+
+    def counted_steps(self, count_skipped_steps: bool) -> int:
+        return self.non_finite_steps + (self.skipped_steps if count_skipped_steps else 0)
+
+    def step_range(self, count_skipped_steps: bool) -> tuple[int, int]:
+        firsts = [self.first_step] + ([self.first_skipped_step] if count_skipped_steps else [])
+        lasts = [self.last_step] + ([self.last_skipped_step] if count_skipped_steps else [])
+        valid_firsts = [s for s in firsts if s >= 0]
+        return (min(valid_firsts) if valid_firsts else -1, max(lasts))
+
+    def rejects(self, count_skipped_steps: bool) -> bool:
+        return self.pending_rejection or self.counted_steps(count_skipped_steps) > 0
+
+
+def evaluate_reports(reports: Sequence[RankReport], count_skipped_steps: bool) -> tuple[bool, str]:
+    """Decide a boundary from every rank's report. Returns ``(accepted, reason)``; pure and deterministic."""
+    rejecting = [r.rank for r in reports if r.rejects(count_skipped_steps)]
+    if rejecting:
+        return False, f"non-finite gradients recorded on rank(s) {rejecting}"
+    skipped = max((r.skipped_steps for r in reports), default=0)
+    if skipped:
+        return True, f"finite; {skipped} step(s) skipped by the loss scaler were never applied"
+    return True, "finite"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one boundary's agreement; identical on every rank."""
+
+    accepted: bool
+    reason: str
+    global_step: int
+    reports: tuple[RankReport, ...]
+    parameter_names: tuple[str, ...]
+    count_skipped_steps: bool = False
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Ranks whose window rejects the boundary (empty when accepted)."""
+        return tuple(r.rank for r in self.reports if r.rejects(self.count_skipped_steps))
+
+    @property
+    def num_steps(self) -> int:
+        """Largest number of counted non-finite steps any rank saw."""
+        return max((r.counted_steps(self.count_skipped_steps) for r in self.reports), default=0)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Largest number of loss-scaler-skipped steps any rank saw."""
+        return max((r.skipped_steps for r in self.reports), default=0)
+
+    @property
+    def first_step(self) -> int:
+        firsts = [r.step_range(self.count_skipped_steps)[0] for r in self.reports]
+        valid = [s for s in firsts if s >= 0]
+        return min(valid) if valid else -1
+
+    @property
+    def last_step(self) -> int:
+        return max((r.step_range(self.count_skipped_steps)[1] for r in self.reports), default=-1)
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """Names of offending parameters reported by the rejecting ranks, in parameter order."""
+        indices = sorted({i for r in self.reports if r.rejects(self.count_skipped_steps) for i in r.parameter_indices})
+        return tuple(self.parameter_names[i] if i < len(self.parameter_names) else f"<parameter {i}>" for i in indices)
+
+    def to_error(self) -> NonFiniteGradientError:
+        """The error every rank raises for a rejected boundary."""
+        if self.accepted:
+            raise ValueError("An accepted verdict has no error.")
+        return NonFiniteGradientError(
+            ranks=self.ranks,
+            first_step=self.first_step,
+            last_step=self.last_step,
+            num_steps=self.num_steps,
+            global_step=self.global_step,
+            parameters=self.parameters,
+            skipped_steps=self.skipped_steps,
+            pending_rejection=any(r.pending_rejection for r in self.reports),
+        )
+
+
+def reach_verdict(
+    gathered: Tensor, global_step: int, parameter_names: Sequence[str], count_skipped_steps: bool
+) -> Verdict:
+    """Turn the gathered ``[world_size, SUMMARY_SIZE]`` summaries into a verdict. The only host read of a boundary."""
+    rows = gathered.to("cpu").tolist()
+    reports = tuple(RankReport.from_summary(rank, row) for rank, row in enumerate(rows))
+    accepted, reason = evaluate_reports(reports, count_skipped_steps)
+    return Verdict(accepted, reason, global_step, reports, tuple(parameter_names), count_skipped_steps)
+
+
+AllGather = Callable[[Tensor], Tensor]
+
+
+def all_gather_for(collective: Optional[Any]) -> AllGather:
+    """Adapt what the caller has to one ``all_gather`` returning ``[world_size, ...]``.
+
+    Accepts a Lightning or Fabric strategy (its ``all_gather``, so the strategy's process group and timeout apply),
+    a ``torch.distributed`` process group, or ``None`` for a single process.
+    """
+    if collective is None:
+        return lambda tensor: tensor.unsqueeze(0)
+    if isinstance(collective, dist.ProcessGroup):
+        group = collective
+
+        def gather_group(tensor: Tensor) -> Tensor:
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, tensor, group=group)
+            return torch.stack(parts)
+
+        return gather_group
+    strategy_all_gather = getattr(collective, "all_gather", None)
+    if not callable(strategy_all_gather):
+        raise ValueError(
+            f"`collective` must be a Lightning/Fabric strategy, a torch.distributed ProcessGroup or None, "
+            f"got {type(collective).__name__}."
+        )
+
+    def gather_strategy(tensor: Tensor) -> Tensor:
+        gathered = strategy_all_gather(tensor)
+        # single-device strategies return the tensor unchanged
+        return gathered if gathered.dim() > tensor.dim() else gathered.unsqueeze(0)
+
+    return gather_strategy

@@ -1,0 +1,292 @@
+"""``FiniteGradCheckpoint``: ``ModelCheckpoint`` that publishes nothing a non-finite gradient has touched.
+
+The callback is deliberately thin. Each saving hook of ``ModelCheckpoint`` becomes one boundary:
+
+1. propose: dry-run the parent hook (:class:`~lightning_ckguard.publication.BoundaryPublication`);
+2. if it writes nothing, keep its bookkeeping and stop: the window is not consumed;
+3. agree: one collective through ``trainer.strategy`` (:class:`~lightning_ckguard.guard.GradientGuard`);
+4. publish (commit, serialize, link, evict) on acceptance, or apply the ``on_non_finite`` policy and change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from functools import partial
+from typing import Any, Callable, Literal, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.optim import Optimizer
+
+from lightning_ckguard._validation import validate_arguments
+from lightning_ckguard.agreement import Verdict
+from lightning_ckguard.errors import NonFiniteGradientError
+from lightning_ckguard.guard import GradientGuard
+from lightning_ckguard.publication import BoundaryPublication
+from lightning_ckguard.seal import PublicationSeal
+from lightning_ckguard.sources import gradient_source_for
+
+log = logging.getLogger(__name__)
+
+NonFinitePolicy = Literal["raise", "skip", "stop"]
+
+
+class FiniteGradCheckpoint(ModelCheckpoint):
+    r"""Drop-in replacement for :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that never publishes a
+    checkpoint after a non-finite gradient.
+
+    Every rank records, on the device and without host syncs or collectives, whether the gradients its optimizer is
+    about to apply are finite. At every boundary where ``ModelCheckpoint`` would write, delete or link a file, all
+    ranks first agree through ``trainer.strategy`` in one small collective. Only an accepted boundary changes the
+    top-K ledger, writes, evicts or links; a rejected one changes nothing. On finite runs it behaves exactly like
+    ``ModelCheckpoint``: same files, same ``best_k_models``, same ``state_dict``.
+
+    Args:
+        dirpath, filename, monitor, verbose, save_last, save_top_k, save_on_exception, save_weights_only, mode,
+            auto_insert_metric_name, every_n_train_steps, train_time_interval, every_n_epochs,
+            save_on_train_epoch_end, enable_version_counter: As in ``ModelCheckpoint``, with the same defaults.
+        on_non_finite: What every rank does at a rejected boundary.
+            ``"raise"``: raise :class:`~lightning_ckguard.NonFiniteGradientError` (the same on every rank).
+            ``"skip"``: publish nothing for this boundary, warn, and start a fresh window.
+            ``"stop"``: publish nothing, set ``trainer.should_stop``; ``fit()`` returns normally.
+        count_skipped_steps: Whether optimizer steps a loss scaler skipped (never applied) reject a boundary. They
+            are reported either way.
+
+    Raises:
+        ValueError: If an argument has the wrong type or ``on_non_finite`` is not a known policy.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_ckguard import FiniteGradCheckpoint
+
+        checkpoint = FiniteGradCheckpoint(monitor="val_loss", save_top_k=3, save_last=True)
+        trainer = Trainer(strategy="ddp", devices=2, callbacks=[checkpoint])
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[_PATH] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        verbose: bool = False,
+        save_last: Optional[Union[bool, Literal["link"]]] = None,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[timedelta] = None,
+        every_n_epochs: Optional[int] = None,
+        save_on_train_epoch_end: Optional[bool] = None,
+        enable_version_counter: bool = True,
+        *,
+        on_non_finite: NonFinitePolicy = "raise",
+        count_skipped_steps: bool = False,
+    ) -> None:
+        validate_arguments(dict(locals()))
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_on_exception=save_on_exception,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+        )
+        self.on_non_finite: NonFinitePolicy = on_non_finite
+        self.count_skipped_steps = count_skipped_steps
+        self._guard: Optional[GradientGuard] = None
+        self._publication = BoundaryPublication()
+        self._rejection: Optional[NonFiniteGradientError] = None
+        self._trainer: Optional[pl.Trainer] = None
+        self._last_verdict: Optional[Verdict] = None
+
+    @property
+    def rejection(self) -> Optional[NonFiniteGradientError]:
+        """The error of the rejection that sealed this run, if any. While set, nothing is published."""
+        return self._rejection
+
+    @property
+    def last_verdict(self) -> Optional[Verdict]:
+        """The verdict of the most recent agreement (boundary or manual save), identical on every rank."""
+        return self._last_verdict
+
+    # ------------------------------------------------------------------ setup and recording
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._trainer = trainer
+        PublicationSeal.install(trainer.strategy, self)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after the strategy wrapped the model and built the optimizers, so parameter identities are final
+        source = gradient_source_for(trainer.strategy, pl_module)
+        self._guard = GradientGuard(
+            pl_module, count_skipped_steps=self.count_skipped_steps, source=source, device=trainer.strategy.root_device
+        )
+        if self._rejection is not None:
+            resumed = trainer.ckpt_path is not None
+            rank_zero_info(
+                f"FiniteGradCheckpoint: a new fit starts after the rejection at global step "
+                f"{self._rejection.global_step}"
+                + (f"; resuming from {trainer.ckpt_path}." if resumed else "; the first checkpoint needs a new step.")
+            )
+            self._rejection = None
+            self._guard.reset(pending_rejection=not resumed)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        # after backward, gradient accumulation and AMP unscaling, before clipping and the step itself
+        if self._guard is not None:
+            self._guard.record(optimizer, step=trainer.global_step)
+
+    # ------------------------------------------------------------------ boundaries
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
+        hook = partial(super().on_train_batch_end, trainer, pl_module, outputs, batch, batch_idx)
+        self._boundary(trainer, "train batch end", hook)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._boundary(trainer, "train epoch end", partial(super().on_train_epoch_end, trainer, pl_module))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._boundary(trainer, "validation end", partial(super().on_validation_end, trainer, pl_module))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._boundary(trainer, "train end", partial(super().on_train_end, trainer, pl_module))
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        hook = partial(super().on_exception, trainer, pl_module, exception)
+        self._boundary(trainer, "exception", hook, during_exception=True)
+
+    def _boundary(
+        self, trainer: pl.Trainer, name: str, hook: Callable[[], None], during_exception: bool = False
+    ) -> None:
+        if self._rejection is not None:
+            return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
+        proposal = self._publication.propose(self, hook)
+        if not proposal.publishes:
+            proposal.after.apply_to(self)  # bookkeeping only (deferrals, timers), exactly as ModelCheckpoint
+            return
+        verdict = self._agree(trainer)
+        if not verdict.accepted:
+            self._reject(trainer, verdict, name, during_exception)
+            return
+        remove = partial(ModelCheckpoint._remove_checkpoint, self, trainer)
+        self._publication.publish(self, hook, rollback_to=proposal.before, remove=remove)
+        assert self._guard is not None
+        self._guard.reset()
+
+    def _agree(self, trainer: pl.Trainer) -> Verdict:
+        if self._guard is None:  # not fitting: nothing was recorded, but every rank still meets here
+            self._guard = GradientGuard(trainer.lightning_module, device=trainer.strategy.root_device)
+        verdict = self._guard.agree(trainer.strategy, global_step=trainer.global_step)
+        self._last_verdict = verdict
+        if verdict.skipped_steps and verdict.accepted:
+            rank_zero_info(f"FiniteGradCheckpoint at global step {trainer.global_step}: {verdict.reason}.")
+        return verdict
+
+    def _reject(self, trainer: pl.Trainer, verdict: Verdict, boundary: str, during_exception: bool) -> None:
+        error = verdict.to_error()
+        if during_exception:
+            self._rejection = error
+            rank_zero_warn(f"FiniteGradCheckpoint did not save on exception ({boundary}). {error}")
+            return
+        if self.on_non_finite == "skip":
+            assert self._guard is not None
+            self._guard.reset(pending_rejection=True)
+            rank_zero_warn(f"FiniteGradCheckpoint skipped the checkpoint at {boundary}. {error}")
+            return
+        self._rejection = error
+        if self.on_non_finite == "stop":
+            trainer.should_stop = True
+            rank_zero_warn(f"FiniteGradCheckpoint stopped training at {boundary}. {error}")
+            return
+        raise error
+
+    # ------------------------------------------------------------------ writes outside our boundaries
+
+    def admit_save(self, filepath: str) -> bool:
+        """Gate for every checkpoint write of the Trainer (see :class:`~lightning_ckguard.seal.PublicationSeal`).
+
+        Our own accepted boundary passes. Any other write (manual ``trainer.save_checkpoint``, other callbacks)
+        passes the same preflight agreement first. A rejected run refuses every later write: with the
+        ``NonFiniteGradientError``, or with a warning while Lightning is handling an exception, so that the original
+        error surfaces and the Trainer still tears down.
+        """
+        if self._publication.publishing or self._trainer is None:
+            return True
+        trainer = self._trainer
+        if self._rejection is None:
+            verdict = self._agree(trainer)
+            if verdict.accepted:
+                assert self._guard is not None
+                self._guard.reset()
+                return True
+            self._rejection = verdict.to_error()
+        if trainer.interrupted and trainer.state.stage is not None:
+            rank_zero_warn(f"FiniteGradCheckpoint refused to write {filepath}. {self._rejection}")
+            return False
+        raise self._rejection
+
+    # ------------------------------------------------------------------ ModelCheckpoint's file operations
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if self._publication.planning:
+            self._publication.plan("save", filepath)
+            # the bookkeeping ModelCheckpoint._save_checkpoint does after writing: later steps of the hook read it
+            self._last_global_step_saved = trainer.global_step
+            self._last_checkpoint_saved = filepath
+            return
+        if self._publication.publishing:
+            self._publication.note_write(filepath, existed=trainer.is_global_zero and self._fs.exists(filepath))
+        super()._save_checkpoint(trainer, filepath)
+
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if self._publication.planning:
+            self._publication.plan("remove", filepath)
+        elif self._publication.publishing:
+            self._publication.defer_removal(filepath)
+        else:
+            super()._remove_checkpoint(trainer, filepath)
+
+    def _link_checkpoint(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
+        if self._publication.planning:
+            self._publication.plan("link", linkpath, target=filepath)
+            return
+        if self._publication.publishing:
+            self._publication.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
+        ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+
+    # ------------------------------------------------------------------ resuming
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Adopt the top-K state of a plain ``ModelCheckpoint`` with the same monitor, mode and frequency when the
+        checkpoint has no state of our own (migrating an existing run)."""
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return
+        plain_key = "ModelCheckpoint" + self.state_key[len(type(self).__qualname__) :]
+        if plain_key in states:
+            self.load_state_dict(states[plain_key])
+            rank_zero_info(f"FiniteGradCheckpoint adopted the top-K state of `{plain_key}` from the checkpoint.")

@@ -1,0 +1,104 @@
+"""The error raised on every rank when a checkpoint boundary is rejected."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def _describe_steps(first_step: int, last_step: int, num_steps: int) -> str:
+    plural = "step" if num_steps == 1 else "steps"
+    if first_step == last_step:
+        return f"{num_steps} optimizer {plural} (step {first_step})"
+    return f"{num_steps} optimizer {plural} (steps {first_step} to {last_step})"
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Raised on every rank, with the same fields, when a checkpoint boundary sees non-finite gradients.
+
+    Nothing was committed, written, deleted or linked for the rejected boundary: the files in the checkpoint
+    directory and the checkpoint callback's state are exactly what they were before it.
+
+    Attributes:
+        ranks: Sorted global ranks that recorded a non-finite gradient in the window.
+        first_step: First optimizer step (the value of ``trainer.global_step`` when it ran) with a non-finite gradient.
+        last_step: Last such step.
+        num_steps: Number of non-finite optimizer steps in the window. Ranks count their own steps; this is the
+            largest count any rank saw, which is exact whenever the ranks saw the same steps.
+        global_step: The ``trainer.global_step`` of the rejected boundary.
+        parameters: Names of offending parameters, where the gradient source can attribute them.
+        skipped_steps: Steps that a loss scaler or DeepSpeed skipped (never applied) in the window.
+    """
+
+    def __init__(
+        self,
+        *,
+        ranks: Sequence[int],
+        first_step: int,
+        last_step: int,
+        num_steps: int,
+        global_step: int,
+        parameters: Sequence[str] = (),
+        skipped_steps: int = 0,
+        pending_rejection: bool = False,
+    ) -> None:
+        self.ranks: tuple[int, ...] = tuple(sorted(ranks))
+        self.first_step = first_step
+        self.last_step = last_step
+        self.num_steps = num_steps
+        self.global_step = global_step
+        self.parameters: tuple[str, ...] = tuple(parameters)
+        self.skipped_steps = skipped_steps
+        self.pending_rejection = pending_rejection
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
+        ranks = ", ".join(str(r) for r in self.ranks)
+        if self.num_steps > 0:
+            cause = (
+                f"non-finite gradients were recorded on {rank_word} {ranks} in "
+                f"{_describe_steps(self.first_step, self.last_step, self.num_steps)} since the last published "
+                "checkpoint"
+            )
+        elif self.skipped_steps > 0:
+            cause = (
+                f"{self.skipped_steps} optimizer step(s) with non-finite gradients were skipped by the loss scaler on "
+                f"{rank_word} {ranks} (steps {self.first_step} to {self.last_step}) and `count_skipped_steps=True`"
+            )
+        else:
+            cause = (
+                f"the previous boundary on {rank_word} {ranks} was rejected and no optimizer step has run since, "
+                "so the weights are still the rejected ones"
+            )
+        text = f"Refusing to publish a checkpoint at global step {self.global_step}: {cause}."
+        if self.parameters:
+            text += f" Offending parameters: {', '.join(self.parameters)}."
+        if self.skipped_steps and self.num_steps:
+            text += f" Another {self.skipped_steps} step(s) were skipped by the loss scaler and never applied."
+        text += (
+            " Nothing was written, deleted or linked for this boundary; the checkpoints already on disk are the "
+            "last good ones."
+        )
+        return text
+
+    def fields(self) -> dict[str, Any]:
+        """The error's fields as plain values, e.g. to compare the error across ranks or to log it."""
+        return {
+            "ranks": list(self.ranks),
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "num_steps": self.num_steps,
+            "global_step": self.global_step,
+            "parameters": list(self.parameters),
+            "skipped_steps": self.skipped_steps,
+            "pending_rejection": self.pending_rejection,
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keyword-only constructor: rebuild from fields so the error survives pickling (spawned workers, queues)
+        return (_rebuild_error, (self.fields(),))
+
+
+def _rebuild_error(fields: dict[str, Any]) -> NonFiniteGradientError:
+    return NonFiniteGradientError(**fields)

@@ -1,0 +1,88 @@
+"""``GradientGuard``: recording and agreement without a Trainer.
+
+The Lightning callback is a thin layer over this class; Fabric or plain ``torch.distributed`` code can use it
+directly::
+
+    guard = GradientGuard(model)
+    for batch in loader:
+        loss = model(batch).sum()
+        loss.backward()
+        guard.record(optimizer)          # device-side, no host sync, no collective
+        optimizer.step()
+        optimizer.zero_grad()
+    verdict = guard.agree(fabric.strategy)  # one all_gather, same verdict on every rank
+    if verdict.accepted:
+        fabric.save(path, state)
+        guard.reset()
+    else:
+        raise verdict.to_error()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_ckguard.agreement import Verdict, all_gather_for, reach_verdict
+from lightning_ckguard.sources import GradientSource, ParameterGradients
+from lightning_ckguard.window import NonFiniteWindow
+
+
+class GradientGuard:
+    """Records gradient finiteness per optimizer step and agrees on it across ranks at checkpoint boundaries.
+
+    Args:
+        module: The model whose parameters are watched. Parameter names come from ``module.named_parameters()``.
+        count_skipped_steps: Whether steps a loss scaler skipped (never applied) reject a boundary.
+        source: Where local gradients are read; defaults to ``param.grad`` of ``module``.
+        device: Device of the window's state; defaults to the device of ``module``'s first parameter.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        count_skipped_steps: bool = False,
+        source: Optional[GradientSource] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        if device is None:
+            first = next(module.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.count_skipped_steps = count_skipped_steps
+        self.source: GradientSource = source if source is not None else ParameterGradients(module)
+        self.window = NonFiniteWindow(torch.device(device))
+        self._steps_seen = 0
+
+    def record(self, optimizer: Optional[Any] = None, *, step: Optional[int] = None, skipped: Optional[Tensor] = None) -> None:
+        """Record the gradients ``optimizer`` is about to apply (all of ``module``'s when ``None``).
+
+        Call it after backward and before ``optimizer.step()``. ``step`` labels the step in reports (defaults to a
+        running count); ``skipped`` is a 0-d tensor that is True when a loss scaler will skip this step.
+        """
+        indices, grads = self.source.local_gradients(optimizer)
+        label = self._steps_seen if step is None else step
+        self.window.record(indices, grads, label, len(self.source.parameter_names), skipped)
+        self._steps_seen += 1
+
+    def agree(self, collective: Optional[Any] = None, *, global_step: Optional[int] = None) -> Verdict:
+        """Join the one agreement collective and return the verdict, which is the same on every rank.
+
+        Every rank of ``collective`` must call this at the same point. ``collective`` is a Lightning/Fabric
+        strategy, a ``torch.distributed`` process group, or ``None`` for a single process. Agreeing does not reset
+        the window: call :meth:`reset` once the checkpoint is published.
+        """
+        gathered = all_gather_for(collective)(self.window.summary())
+        step = self._steps_seen if global_step is None else global_step
+        return reach_verdict(gathered, step, self.source.parameter_names, self.count_skipped_steps)
+
+    def reset(self, *, pending_rejection: bool = False) -> None:
+        """Start a fresh window. ``pending_rejection=True`` keeps rejecting until a new step is recorded."""
+        self.window.reset(pending_rejection=pending_rejection)
+
+    @property
+    def steps_recorded(self) -> int:
+        """Optimizer steps recorded in the current window."""
+        return self.window.steps_recorded

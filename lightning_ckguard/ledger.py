@@ -1,0 +1,77 @@
+"""The top-K ledger: every piece of ``ModelCheckpoint`` state that a boundary may change, as one value.
+
+A boundary first runs ``ModelCheckpoint``'s own decision logic as a dry run (the proposal). The ledger captured before
+it is what a rejection restores and what a failed serialization rolls back to; nothing else is needed, because the
+dry run writes no file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor
+
+# ModelCheckpoint attribute name for each ledger field.
+_ATTRIBUTES = {
+    "best_k_models": "best_k_models",
+    "kth_best_model_path": "kth_best_model_path",
+    "kth_value": "kth_value",
+    "best_model_path": "best_model_path",
+    "best_model_score": "best_model_score",
+    "current_score": "current_score",
+    "last_model_path": "last_model_path",
+    "last_global_step_saved": "_last_global_step_saved",
+    "last_checkpoint_saved": "_last_checkpoint_saved",
+    "last_time_checked": "_last_time_checked",
+    "defer_save_until_validation": "_defer_save_until_validation",
+}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """A snapshot of a ``ModelCheckpoint``'s mutable bookkeeping (top-K, best, last, save markers)."""
+
+    best_k_models: dict[str, Tensor]
+    kth_best_model_path: str
+    kth_value: Tensor
+    best_model_path: str
+    best_model_score: Optional[Tensor]
+    current_score: Optional[Tensor]
+    last_model_path: str
+    last_global_step_saved: int
+    last_checkpoint_saved: str
+    last_time_checked: Optional[float]
+    defer_save_until_validation: bool
+
+    @classmethod
+    def capture(cls, checkpoint: ModelCheckpoint) -> Ledger:
+        """Snapshot ``checkpoint``'s bookkeeping. Containers are copied; ModelCheckpoint replaces tensors, never
+        mutates them in place, so they are shared."""
+        values = {name: getattr(checkpoint, attribute) for name, attribute in _ATTRIBUTES.items()}
+        values["best_k_models"] = dict(values["best_k_models"])
+        return cls(**values)
+
+    def apply_to(self, checkpoint: ModelCheckpoint) -> None:
+        """Make ``checkpoint``'s bookkeeping exactly this snapshot."""
+        for name, attribute in _ATTRIBUTES.items():
+            value = getattr(self, name)
+            setattr(checkpoint, attribute, dict(value) if isinstance(value, dict) else value)
+
+    def same_as(self, other: Ledger) -> bool:
+        """Field-by-field equality, tensors compared by value."""
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+
+#: ModelCheckpoint attributes that the ledger tracks.
+TRACKED_ATTRIBUTES = frozenset(_ATTRIBUTES.values())

@@ -1,0 +1,119 @@
+"""The recording window: what one rank saw since the last published checkpoint, kept on the device.
+
+Recording a step launches a handful of small kernels and never reads a value back to the host. The window is only
+read at a boundary, as one small integer vector (:meth:`NonFiniteWindow.summary`) that the agreement gathers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_ckguard.finiteness import NonFiniteCheck
+
+#: How many offending parameter indices each rank reports at a boundary.
+MAX_REPORTED_PARAMETERS = 8
+
+# Layout of the summary vector, before the parameter indices.
+APPLIED, FIRST_APPLIED, LAST_APPLIED, SKIPPED, FIRST_SKIPPED, LAST_SKIPPED, PENDING, NUM_PARAMETERS = range(8)
+SUMMARY_HEADER = 8
+SUMMARY_SIZE = SUMMARY_HEADER + MAX_REPORTED_PARAMETERS
+
+
+class NonFiniteWindow:
+    """Device-side record of non-finite optimizer steps since the window was last reset.
+
+    State, declared up front (all on ``device``):
+
+    - ``step_counts[0]``: applied steps with a non-finite gradient; ``step_counts[1]``: steps a loss scaler skipped.
+    - ``first_steps`` / ``last_steps``: the first and last such step of each kind, ``-1`` if none.
+    - ``parameter_counts[i]``: non-finite steps seen in parameter ``i``'s gradient.
+
+    Host-side: ``steps_recorded`` and ``pending_rejection`` (the last boundary was rejected and no step has run since,
+    so the weights are still the rejected ones).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.step_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.first_steps = torch.full((2,), -1, dtype=torch.int64, device=self.device)
+        self.last_steps = torch.full((2,), -1, dtype=torch.int64, device=self.device)
+        self.parameter_counts = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self.steps_recorded = 0
+        self.pending_rejection = False
+        self._check = NonFiniteCheck()
+        self._index_cache: dict[tuple[int, ...], Tensor] = {}
+        self._no_skip = torch.zeros((), dtype=torch.bool, device=self.device)
+
+    def record(
+        self,
+        indices: tuple[int, ...],
+        grads: Sequence[Tensor],
+        step: int,
+        num_parameters: int,
+        skipped: Optional[Tensor] = None,
+    ) -> None:
+        """Record one optimizer step: ``grads[j]`` is the local gradient of parameter ``indices[j]``.
+
+        ``skipped`` is a 0-d device tensor, True when a loss scaler skipped this step (it was never applied).
+        """
+        self.steps_recorded += 1
+        self.pending_rejection = False
+        if num_parameters > self.parameter_counts.numel():
+            grown = torch.zeros(num_parameters, dtype=torch.int32, device=self.device)
+            grown[: self.parameter_counts.numel()] = self.parameter_counts
+            self.parameter_counts = grown
+        skip = self._no_skip if skipped is None else skipped.to(self.device, torch.bool, non_blocking=True)
+        if grads:
+            flags = self._check(grads, self.device)
+            self.parameter_counts.index_add_(0, self._index_tensor(indices), flags.to(torch.int32))
+            non_finite = flags.any()
+        else:
+            non_finite = self._no_skip
+        events = torch.stack([non_finite & ~skip, skip])
+        self.step_counts += events
+        self.first_steps.copy_(torch.where(events & (self.first_steps < 0), step, self.first_steps))
+        self.last_steps.copy_(torch.where(events, step, self.last_steps))
+
+    def _index_tensor(self, indices: tuple[int, ...]) -> Tensor:
+        index = self._index_cache.get(indices)
+        if index is None:
+            index = self._index_cache[indices] = torch.tensor(indices, dtype=torch.int64, device=self.device)
+        return index
+
+    def summary(self) -> Tensor:
+        """This rank's window as an int64 vector of ``SUMMARY_SIZE`` on the device (boundary use only)."""
+        counts = self.parameter_counts
+        num = counts.numel()
+        reported = torch.full((MAX_REPORTED_PARAMETERS,), -1, dtype=torch.int64, device=self.device)
+        if num:
+            positions = torch.arange(num, device=self.device)
+            # offending parameters sort first, in index order
+            keys = torch.where(counts > 0, positions, positions + num)
+            lowest = torch.topk(keys, min(MAX_REPORTED_PARAMETERS, num), largest=False).values
+            reported[: lowest.numel()] = torch.where(lowest < num, lowest, -1)
+        header = torch.stack(
+            [
+                self.step_counts[0],
+                self.first_steps[0],
+                self.last_steps[0],
+                self.step_counts[1],
+                self.first_steps[1],
+                self.last_steps[1],
+                torch.tensor(int(self.pending_rejection), device=self.device),
+                (counts > 0).sum().to(torch.int64),
+            ]
+        )
+        return torch.cat([header, reported])
+
+    def reset(self, *, pending_rejection: bool = False) -> None:
+        """Start a fresh window; ``pending_rejection`` carries a rejection until the next step is recorded."""
+        self.step_counts.zero_()
+        self.first_steps.fill_(-1)
+        self.last_steps.fill_(-1)
+        self.parameter_counts.zero_()
+        self.steps_recorded = 0
+        self.pending_rejection = pending_rejection

@@ -1,0 +1,114 @@
+"""Shared test models and observations: what a user can see on disk and in the callback."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import Tensor
+
+from lightning_ckguard.ledger import Ledger
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+
+
+def tree_digest(root: Optional[str]) -> dict[str, Any]:
+    """Every entry under ``root``: file content hashes, link targets, directories. Symlinks are not followed."""
+    digest: dict[str, Any] = {}
+    if not root or not os.path.isdir(root):
+        return digest
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            if os.path.islink(path):
+                digest[rel] = ["link", os.readlink(path)]
+            elif os.path.isdir(path):
+                digest[rel] = ["dir"]
+            else:
+                with open(path, "rb") as f:
+                    digest[rel] = ["file", hashlib.sha256(f.read()).hexdigest()]
+    return digest
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def ledger_state(callback: ModelCheckpoint) -> dict[str, Any]:
+    """The callback's whole bookkeeping as plain JSON-able values."""
+    ledger = Ledger.capture(callback)
+    return {name: _plain(getattr(ledger, name)) for name in ledger.__dataclass_fields__ if name != "last_time_checked"}
+
+
+class FaultyModel(BoringModel):
+    """BoringModel that writes ``value`` into one gradient element on ``fault_ranks`` at ``fault_steps``.
+
+    The fault is written in ``on_after_backward``, i.e. after DDP's all-reduce, so the other ranks keep finite
+    gradients. ``sanitize`` replaces non-finite gradients by zeros right before the optimizer step (after the guard
+    recorded them), so the weights stay finite and later windows are clean: the guard must still reject.
+    ``val_losses[epoch]`` is logged as ``val_loss`` to choose exactly which validation boundaries enter the top-K.
+    At ``snapshot_steps`` and right before a fault, the checkpoint directory and callback state are snapshotted
+    on every rank.
+    """
+
+    def __init__(
+        self,
+        fault_steps: Iterable[int] = (),
+        snapshot_steps: Iterable[int] = (),
+        fault_ranks: Sequence[int] = (0,),
+        value: float = float("nan"),
+        val_losses: Optional[Sequence[float]] = None,
+        zero1: bool = False,
+        sanitize: bool = True,
+        lr: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.fault_steps = set(fault_steps)
+        self.snapshot_steps = set(snapshot_steps) | self.fault_steps
+        self.fault_ranks = set(fault_ranks)
+        self.value = value
+        self.val_losses = val_losses
+        self.zero1 = zero1
+        self.sanitize = sanitize
+        self.lr = lr
+        self.snapshots: dict[int, dict[str, Any]] = {}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        out = super().validation_step(batch, batch_idx)
+        loss = out["x"] if self.val_losses is None else torch.tensor(float(self.val_losses[self.current_epoch]))
+        self.log("val_loss", loss, sync_dist=self.val_losses is None)
+        return out
+
+    def on_after_backward(self) -> None:
+        step = self.trainer.global_step
+        if step in self.snapshot_steps:
+            callback = next(c for c in self.trainer.callbacks if isinstance(c, ModelCheckpoint))
+            self.snapshots[step] = {"tree": tree_digest(callback.dirpath), "state": ledger_state(callback)}
+        if step in self.fault_steps and self.global_rank in self.fault_ranks:
+            self.layer.weight.grad[0, 0] = self.value
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.sanitize:
+            for p in self.parameters():
+                if p.grad is not None:
+                    torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def configure_optimizers(self) -> Any:
+        if self.zero1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

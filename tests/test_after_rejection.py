@@ -1,0 +1,82 @@
+"""After a rejection nothing in the process publishes the diverged state; manual saves pass the preflight."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from helpers import QUIET, FaultyModel, tree_digest
+from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
+
+EPOCHS = dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
+
+
+@pytest.mark.parametrize("exception_callback_first", [True, False])
+def test_no_save_on_exception_and_no_on_exception_checkpoint_after_rejection(exception_callback_first, tmp_path):
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_last=True,
+                                 save_on_exception=True)
+    on_exception = OnExceptionCheckpoint(dirpath=tmp_path / "exception")
+    callbacks = [on_exception, guard] if exception_callback_first else [guard, on_exception]
+    model = FaultyModel(fault_steps=[3], val_losses=[3.0, 2.0, 1.0], sanitize=False)
+    seed_everything(0)
+    quiet = {k: v for k, v in QUIET.items() if k != "logger"}
+    trainer = Trainer(callbacks=callbacks, logger=CSVLogger(tmp_path / "logs"), **quiet, **EPOCHS)
+    with pytest.raises(NonFiniteGradientError) as info:
+        trainer.fit(model)
+    assert info.value.global_step == 4
+    assert tree_digest(str(tmp_path / "ckpt")) == model.snapshots[3]["tree"]
+    assert not os.path.exists(on_exception.ckpt_path)
+    # Lightning's exception handling still ran to the end: the logger was finalized
+    assert os.path.exists(os.path.join(trainer.logger.log_dir, "metrics.csv"))
+
+    # manual saves after the failed fit, full and weights-only, raise the same error and write nothing
+    for weights_only in (False, True):
+        with pytest.raises(NonFiniteGradientError) as again:
+            trainer.save_checkpoint(tmp_path / "manual.ckpt", weights_only=weights_only)
+        assert again.value.fields() == info.value.fields()
+    assert not (tmp_path / "manual.ckpt").exists()
+
+
+class ManualSaver(FaultyModel):
+    """Saves by hand at the end of every training epoch, as user code does."""
+
+    def __init__(self, root, weights_only: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.root, self.weights_only = root, weights_only
+
+    def on_train_epoch_end(self) -> None:
+        self.trainer.save_checkpoint(os.path.join(self.root, f"manual-{self.current_epoch}.ckpt"), self.weights_only)
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_manual_save_mid_run_goes_through_the_preflight(weights_only, tmp_path):
+    # the callback itself never saves here: only the manual saves are checked
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=100)
+    model = ManualSaver(tmp_path, weights_only, fault_steps=[3])
+    seed_everything(0)
+    trainer = Trainer(callbacks=[guard], **QUIET, **EPOCHS)
+    with pytest.raises(NonFiniteGradientError) as info:
+        trainer.fit(model)
+    assert (info.value.ranks, info.value.first_step, info.value.global_step) == ((0,), 3, 4)
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.ckpt"))
+    assert written == ["manual-0.ckpt"]  # epoch 0 was finite and was saved; epoch 1's save was refused
+
+
+def test_a_new_fit_resuming_from_the_best_checkpoint_publishes_again(tmp_path):
+    guard = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
+    seed_everything(0)
+    with pytest.raises(NonFiniteGradientError):
+        Trainer(callbacks=[guard], **QUIET, **EPOCHS).fit(FaultyModel(fault_steps=[3], val_losses=[3.0, 2.0, 1.0]))
+    best = guard.best_model_path
+    assert os.path.basename(best) == "epoch=0-step=2.ckpt"
+    trainer = Trainer(callbacks=[guard], **QUIET, **EPOCHS)
+    trainer.fit(FaultyModel(val_losses=[3.0, 2.0, 1.0]), ckpt_path=best)
+    assert trainer.global_step == 6
+    # the resumed-from file is kept and `last` gets a version suffix, exactly as ModelCheckpoint does on resume
+    assert sorted(os.listdir(tmp_path)) == [
+        "epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last-v1.ckpt", "last.ckpt"]
+    assert guard.rejection is None

@@ -1,0 +1,151 @@
+"""Single-process boundaries: parity with ModelCheckpoint, rejections, one agreement per boundary, policies."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from helpers import QUIET, FaultyModel, ledger_state, tree_digest
+from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
+
+EPOCHS = dict(max_epochs=4, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0)
+VAL_LOSSES = [3.0, 1.0, 2.0, 0.5]
+
+PARITY_CONFIGS = {
+    "top2-last": (dict(monitor="val_loss", save_top_k=2, save_last=True), EPOCHS),
+    "top1-link": (dict(monitor="val_loss", save_top_k=1, save_last="link"), EPOCHS),
+    "max-mode-all": (dict(monitor="val_loss", save_top_k=-1, mode="max"), EPOCHS),
+    "no-monitor": (dict(save_last=True), EPOCHS),
+    "every-3-steps": (dict(every_n_train_steps=3, save_top_k=-1, filename="{step}"), dict(EPOCHS, limit_val_batches=0)),
+    "every-3-steps-monitored": (dict(every_n_train_steps=3, monitor="val_loss", save_top_k=2, save_last=True), EPOCHS),
+    "every-2-epochs": (dict(every_n_epochs=2, save_top_k=-1), EPOCHS),
+    "train-epoch-end": (dict(monitor="val_loss", save_on_train_epoch_end=True, save_last=True), EPOCHS),
+    "time-interval": (dict(train_time_interval=timedelta(0), save_top_k=-1, filename="{step}"),
+                      dict(EPOCHS, limit_val_batches=0)),
+    "weights-only": (dict(monitor="val_loss", save_top_k=2, save_weights_only=True), EPOCHS),
+    "last-only": (dict(save_top_k=0, save_last=True), EPOCHS),
+}
+
+
+def fit(callback: ModelCheckpoint, trainer_kwargs: dict[str, Any], seed: int = 0, **model_kwargs: Any) -> Trainer:
+    seed_everything(seed)
+    model_kwargs.setdefault("val_losses", VAL_LOSSES)
+    trainer = Trainer(callbacks=[callback], **QUIET, **trainer_kwargs)
+    trainer.fit(FaultyModel(**model_kwargs))
+    return trainer
+
+
+def _relative(value: Any, root: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(str(root), "<dir>")
+    if isinstance(value, dict):
+        return {_relative(k, root): _relative(v, root) for k, v in value.items()}
+    return value
+
+
+def _checkpoint_contents(root: str) -> dict[str, Any]:
+    contents = {}
+    for name in sorted(os.listdir(root)):
+        ckpt = torch.load(os.path.join(root, name), weights_only=False)
+        states = {key.split("{")[1]: _relative(value, root) for key, value in ckpt.get("callbacks", {}).items()}
+        contents[name] = (ckpt["global_step"], ckpt["state_dict"], states)
+    return contents
+
+
+@pytest.mark.parametrize("config", list(PARITY_CONFIGS))
+def test_finite_runs_match_model_checkpoint(config, tmp_path):
+    callback_kwargs, trainer_kwargs = PARITY_CONFIGS[config]
+    plain = ModelCheckpoint(dirpath=tmp_path / "plain", **callback_kwargs)
+    guarded = FiniteGradCheckpoint(dirpath=tmp_path / "guarded", **callback_kwargs)
+    for callback in (plain, guarded):
+        # twice into the same directory, so the version counter comes into play
+        fit(callback, trainer_kwargs)
+        fit(callback, trainer_kwargs)
+    p, g = str(tmp_path / "plain"), str(tmp_path / "guarded")
+    assert _relative(ledger_state(guarded), g) == _relative(ledger_state(plain), p)
+    assert {k: v for k, v in tree_digest(g).items() if v[0] == "link"} == {
+        k: v for k, v in tree_digest(p).items() if v[0] == "link"}
+    ours, theirs = _checkpoint_contents(g), _checkpoint_contents(p)
+    assert list(ours) == list(theirs) and ours
+    for name in ours:
+        step_o, weights_o, states_o = ours[name]
+        step_t, weights_t, states_t = theirs[name]
+        assert step_o == step_t
+        assert all(torch.equal(weights_o[k], weights_t[k]) for k in weights_t)
+        assert states_o == states_t
+
+
+class CountingStrategy(SingleDeviceStrategy):
+    """A real single-device strategy that counts the agreement collectives it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(device=torch.device("cpu"))
+        self.all_gathers = 0
+
+    def all_gather(self, tensor, group=None, sync_grads=False):
+        self.all_gathers += 1
+        return super().all_gather(tensor, group, sync_grads)
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_one_agreement_per_boundary_however_many_files_it_writes(save_last, tmp_path):
+    strategy = CountingStrategy()
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=save_last)
+    # every epoch improves: each validation boundary writes the top-1 file, evicts the old one and moves `last`
+    fit(callback, dict(EPOCHS, strategy=strategy), val_losses=[4.0, 3.0, 2.0, 1.0])
+    assert strategy.all_gathers == 4
+    assert sorted(os.listdir(tmp_path)) == ["epoch=3-step=12.ckpt", "last.ckpt"]
+
+
+def test_boundaries_that_write_nothing_need_no_agreement(tmp_path):
+    strategy = CountingStrategy()
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
+    fit(callback, dict(EPOCHS, strategy=strategy), val_losses=[1.0, 2.0, 3.0, 4.0])  # only epoch 0 is a top-1
+    assert strategy.all_gathers == 1
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+
+
+def test_rejection_of_top_k_plus_link_changes_nothing(tmp_path):
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last="link")
+    model = FaultyModel(fault_steps=[7], val_losses=[3.0, 2.0, 1.0, 0.5])
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], **QUIET, **EPOCHS)
+    with pytest.raises(NonFiniteGradientError) as info:
+        trainer.fit(model)
+    assert info.value.fields() == {
+        "ranks": [0], "first_step": 7, "last_step": 7, "num_steps": 1, "global_step": 9,
+        "parameters": ["layer.weight"], "skipped_steps": 0, "pending_rejection": False,
+    }
+    assert tree_digest(str(tmp_path)) == model.snapshots[7]["tree"]
+    assert ledger_state(callback) == model.snapshots[7]["state"]
+    assert os.readlink(tmp_path / "last.ckpt") == "epoch=1-step=6.ckpt"
+    for word in ("global step 9", "rank 0", "step 7", "layer.weight"):
+        assert word in str(info.value)
+
+
+def test_skip_keeps_rejecting_until_a_new_step_runs(tmp_path):
+    # the fault is in the last step and is applied (no sanitizing): the validation boundary is skipped, and the
+    # `save_last` at train end, at the same global step, must not publish the poisoned weights either
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_last=True, on_non_finite="skip")
+    trainer_kwargs = dict(max_epochs=1, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0)
+    with pytest.warns(UserWarning, match="skipped the checkpoint at train end"):
+        fit(callback, trainer_kwargs, fault_steps=[2], sanitize=False)
+    assert os.listdir(tmp_path) == []
+    assert callback.best_k_models == {} and callback.last_model_path == ""
+
+
+def test_stop_returns_normally_and_later_boundaries_publish_nothing(tmp_path):
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=-1, save_last=True,
+                                    on_non_finite="stop")
+    with pytest.warns(UserWarning, match="stopped training"):
+        trainer = fit(callback, EPOCHS, fault_steps=[4])
+    assert trainer.should_stop and trainer.global_step == 6
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert callback.rejection is not None and callback.rejection.global_step == 6

@@ -1,0 +1,123 @@
+"""Two real processes (gloo), plain DDP and DDP with ZeroRedundancyOptimizer (ZeRO-1).
+
+A NaN is written into one gradient element on rank 1 only, after DDP's all-reduce. If any rank decided alone, its
+peer would wait in the next collective (ZeRO-1 consolidation, the save barrier) until the 60 s timeout, and the
+scenario would report an unexpected error instead of the agreed ``NonFiniteGradientError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from conftest import run_ranks
+
+OPTIMIZERS = ["ddp", "zero1"]
+EXPECTED_REJECTION = {
+    "ranks": [1],
+    "first_step": 5,
+    "last_step": 5,
+    "num_steps": 1,
+    "global_step": 6,
+    "parameters": ["layer.weight"],
+    "skipped_steps": 0,
+    "pending_rejection": False,
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("ddp")
+    proc = run_ranks("workers/ddp_scenarios.py", [str(out)], timeout=600)
+    results = []
+    for rank in (0, 1):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return results
+
+
+def _relative(value: Any, root: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(root, "<dir>")
+    if isinstance(value, dict):
+        return {_relative(k, root): _relative(v, root) for k, v in value.items()}
+    return value
+
+
+def _dirname(result: dict[str, Any]) -> str:
+    paths = [p for p in (result["state"]["best_model_path"], result["state"]["last_model_path"]) if p]
+    return os.path.dirname(paths[0]) if paths else "<none>"
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("boundary", ["periodic", "val_topk", "last"])
+def test_rank1_only_nan_is_rejected_on_every_rank_and_changes_nothing(ranks, optimizer, boundary):
+    name = f"{optimizer}-{boundary}-reject"
+    for rank, results in enumerate(ranks):
+        result = results[name]
+        assert result["error"] == EXPECTED_REJECTION, f"rank {rank}: {result['error']}"
+        before = result["snapshots"]["5"]
+        assert result["state"] == before["state"], f"rank {rank}: callback state changed"
+        assert result["global_step"] == 6
+    rank0 = ranks[0][name]
+    assert rank0["tree"] == rank0["snapshots"]["5"]["tree"], "checkpoint directory changed"
+    assert rank0["tree"], "the finite boundaries before the fault should have saved"
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("boundary", ["periodic", "val_topk", "last"])
+def test_finite_control_saves_like_model_checkpoint(ranks, optimizer, boundary):
+    for rank, results in enumerate(ranks):
+        guarded, plain = results[f"{optimizer}-{boundary}-finite"], results[f"{optimizer}-{boundary}-plain"]
+        assert guarded["error"] is None and plain["error"] is None
+        assert _relative(guarded["state"], _dirname(guarded)) == _relative(plain["state"], _dirname(plain))
+    guarded, plain = ranks[0][f"{optimizer}-{boundary}-finite"], ranks[0][f"{optimizer}-{boundary}-plain"]
+    assert sorted(guarded["tree"]) == sorted(plain["tree"])
+    assert guarded["tree"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_skip_policy_publishes_nothing_then_resumes_with_a_fresh_window(ranks, optimizer):
+    for results in ranks:
+        result = results[f"{optimizer}-periodic-skip"]
+        assert result["error"] is None
+        assert result["global_step"] == 8  # training went on
+    rank0 = ranks[0][f"{optimizer}-periodic-skip"]
+    before = rank0["snapshots"]["5"]["tree"]
+    assert set(before) == {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"}
+    # step 6 was skipped; the fresh window (steps 6-7, finite again) publishes at step 8
+    assert {k: v for k, v in rank0["tree"].items() if k in before} == before
+    assert set(rank0["tree"]) - set(before) == {"epoch=0-step=8.ckpt"}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_stop_policy_stops_every_rank_and_publishes_nothing(ranks, optimizer):
+    for results in ranks:
+        result = results[f"{optimizer}-periodic-stop"]
+        assert result["error"] is None
+        assert result["should_stop"] is True
+        assert result["global_step"] == 6
+        assert result["state"] == result["snapshots"]["5"]["state"]
+    rank0 = ranks[0][f"{optimizer}-periodic-stop"]
+    assert rank0["tree"] == rank0["snapshots"]["5"]["tree"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_unselected_validation_boundary_does_not_consume_the_window(ranks, optimizer):
+    # NaN at step 3 (epoch 1); epoch 1's validation is not in the top-1 and writes nothing; epoch 2's is selected
+    for results in ranks:
+        result = results[f"{optimizer}-unselected-reject"]
+        assert result["error"] == {**EXPECTED_REJECTION, "first_step": 3, "last_step": 3}
+        assert result["state"] == result["snapshots"]["3"]["state"]
+    rank0 = ranks[0][f"{optimizer}-unselected-reject"]
+    assert rank0["tree"] == rank0["snapshots"]["3"]["tree"] and set(rank0["tree"]) == {"epoch=0-step=2.ckpt"}
+
+
+def test_guard_on_a_raw_process_group_reaches_the_same_verdict(ranks):
+    expected = {**EXPECTED_REJECTION, "first_step": 0, "last_step": 0, "global_step": 1, "parameters": ["bias"]}
+    assert [results["process-group-guard"]["error"] for results in ranks] == [expected, expected]

@@ -1,0 +1,60 @@
+"""Accepted boundaries commit, then serialize; a failed write rolls the ledger back and keeps the evicted file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from helpers import QUIET, FaultyModel, ledger_state, tree_digest
+from lightning_ckguard import FiniteGradCheckpoint
+
+EPOCHS = dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
+
+
+class FailingIO(TorchCheckpointIO):
+    """Real torch checkpoint IO that fails like a full disk for paths containing ``fail_on``."""
+
+    def __init__(self, fail_on: str) -> None:
+        self.fail_on = fail_on
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if self.fail_on in os.path.basename(str(path)):
+            raise OSError(28, "No space left on device", str(path))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_checkpoint_state_lists_the_file_being_written(tmp_path):
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
+    seed_everything(0)
+    Trainer(callbacks=[callback], **QUIET, **EPOCHS).fit(FaultyModel(val_losses=[3.0, 2.0, 1.0]))
+    for path in [*callback.best_k_models, callback.last_model_path]:
+        state = torch.load(path, weights_only=False)["callbacks"][callback.state_key]
+        if os.path.basename(path) != "last.ckpt":
+            assert path in state["best_k_models"], f"{path} does not list itself"
+            assert state["best_model_path"] == path  # each epoch improved, so each file was the best when written
+        else:
+            assert state["last_model_path"] == path
+
+
+@pytest.mark.parametrize("failing", ["epoch=1", "last"])
+def test_failed_serialization_rolls_back_and_keeps_evicted_file(failing, tmp_path):
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
+    model = FaultyModel(val_losses=[3.0, 2.0, 1.0], snapshot_steps=[3])
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], plugins=[FailingIO(fail_on=failing)], **QUIET, **EPOCHS)
+    if failing == "last":
+        # let epoch 0 write its `last` before the disk "fills up"
+        trainer.strategy.checkpoint_io.fail_on = "never"
+        model.on_train_epoch_start = lambda: setattr(  # type: ignore[method-assign]
+            trainer.strategy.checkpoint_io, "fail_on", "last" if trainer.current_epoch == 1 else "never")
+    with pytest.raises(OSError, match="No space left"):
+        trainer.fit(model)
+    before = model.snapshots[3]
+    assert ledger_state(callback) == before["state"], "the ledger was not rolled back"
+    assert tree_digest(str(tmp_path)) == before["tree"], "files changed after a failed boundary"
+    assert "epoch=0-step=2.ckpt" in before["tree"]  # the file the failed boundary would have evicted
+    assert callback.best_model_path == str(tmp_path / "epoch=0-step=2.ckpt")

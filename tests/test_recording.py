@@ -1,0 +1,125 @@
+"""Recording: exact elementwise finiteness, attribution, and no host sync or collective per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import QUIET, FaultyModel
+from lightning_ckguard import FiniteGradCheckpoint, GradientGuard
+from lightning_ckguard.finiteness import NonFiniteCheck
+
+HOST_READS = ("_local_scalar_dense", "is_nonzero", "nonzero", "equal", "allclose")
+
+
+class CountOps(TorchDispatchMode):
+    """Counts ATen ops by name; ``host_reads`` counts the ones that copy a value to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def host_reads(self) -> int:
+        return sum(1 for n in self.names if n.split(".")[0] in HOST_READS)
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("value", [1e30, -1e30, 3e38, torch.finfo(torch.float32).max])
+def test_large_finite_gradients_are_not_flagged(value):
+    grads = [torch.full((1000,), value), torch.full((3, 3), value)]
+    # the 2-norm a naive guard would use overflows on exactly these inputs
+    assert not torch.isfinite(torch.linalg.vector_norm(grads[0]))
+    assert not NonFiniteCheck()(grads, torch.device("cpu")).any()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_nan_and_both_infinities_are_flagged_per_tensor(value, dtype):
+    grads = [torch.ones(50, dtype=dtype), torch.ones(7, 7, dtype=dtype), torch.ones(3, dtype=dtype)]
+    grads[1][4, 2] = value
+    flags = NonFiniteCheck()(grads, torch.device("cpu"))
+    assert flags.tolist() == [False, True, False]
+
+
+def test_mixed_dtypes_empty_sparse_and_complex_gradients():
+    sparse = torch.sparse_coo_tensor([[0, 0]], [3e38, 3e38], (4,))  # duplicates sum to inf, as the optimizer sees
+    complex_grad = torch.zeros(3, dtype=torch.complex64)
+    complex_grad[1] = complex(0, float("nan"))
+    grads = [torch.ones(3, dtype=torch.float16), torch.empty(0), sparse, complex_grad, torch.ones(2)]
+    assert NonFiniteCheck()(grads, torch.device("cpu")).tolist() == [False, False, True, True, False]
+
+
+def test_guard_attributes_steps_and_parameters():
+    model = _model()
+    guard = GradientGuard(model)
+    model(torch.randn(5, 4)).sum().backward()
+    guard.record(step=0)
+    model[2].bias.grad[1] = float("-inf")
+    guard.record(step=1)
+    model[2].bias.grad[1] = 0.0
+    model[0].weight.grad[0, 0] = float("nan")
+    guard.record(step=2)
+    model[0].weight.grad[0, 0] = 1e30
+    guard.record(step=3)
+    verdict = guard.agree(global_step=4)
+    assert not verdict.accepted
+    assert (verdict.ranks, verdict.first_step, verdict.last_step, verdict.num_steps) == ((0,), 1, 2, 2)
+    assert verdict.parameters == ("0.weight", "2.bias")
+    guard.reset()
+    guard.record(step=4)
+    assert guard.agree(global_step=5).accepted
+
+
+def test_frozen_and_gradless_parameters_are_ignored():
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    guard = GradientGuard(model)
+    model(torch.randn(5, 4)).sum().backward()
+    model[2].bias.grad = None
+    guard.record()
+    assert guard.agree().accepted
+
+
+def test_recording_a_step_reads_nothing_back_to_the_host():
+    model = _model()
+    guard = GradientGuard(model)
+    model(torch.randn(5, 4)).sum().backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    guard.record(step=0)  # warm the caches
+    with CountOps() as ops:
+        for step in range(1, 6):
+            guard.record(step=step)
+    assert ops.names, "the dispatch mode saw no ops at all"
+    assert ops.host_reads == 0, [n for n in ops.names if n.split(".")[0] in HOST_READS]
+    assert not any("c10d" in n or "all_reduce" in n or "allgather" in n for n in ops.names)
+
+
+def _host_reads_in_fit(callback_cls, steps: int, tmp_path) -> int:
+    seed_everything(0)
+    callback = callback_cls(dirpath=tmp_path / f"{callback_cls.__name__}-{steps}", every_n_train_steps=10_000,
+                            save_last=True)
+    trainer = Trainer(max_steps=steps, limit_val_batches=0, callbacks=[callback], **QUIET)
+    with CountOps() as ops:
+        trainer.fit(FaultyModel(sanitize=False))
+    return ops.host_reads
+
+
+def test_guard_adds_zero_host_syncs_per_training_step(tmp_path):
+    # Lightning itself reads some values per step; compare against plain ModelCheckpoint over N and 2N steps.
+    n = 6
+    extra_n = _host_reads_in_fit(FiniteGradCheckpoint, n, tmp_path) - _host_reads_in_fit(ModelCheckpoint, n, tmp_path)
+    extra_2n = (_host_reads_in_fit(FiniteGradCheckpoint, 2 * n, tmp_path)
+                - _host_reads_in_fit(ModelCheckpoint, 2 * n, tmp_path))
+    assert extra_n == extra_2n, f"the guard's host reads grow with steps: {extra_n} for {n}, {extra_2n} for {2 * n}"
+    assert extra_n <= 2, "expected only the boundary read(s) of the final save"

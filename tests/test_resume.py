@@ -1,0 +1,75 @@
+"""Restarting: resumed ledgers are consistent, and a plain ModelCheckpoint run's top-K carries over."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from helpers import QUIET, FaultyModel
+from lightning_ckguard import FiniteGradCheckpoint
+
+# epochs 0-1 in the first run, 2-3 after resuming; val_loss is chosen per epoch
+LOSSES = [3.0, 2.0, 2.5, 1.0]
+
+
+def _trainer(callback: ModelCheckpoint, max_epochs: int) -> Trainer:
+    return Trainer(callbacks=[callback], max_epochs=max_epochs, limit_train_batches=2, limit_val_batches=1,
+                   num_sanity_val_steps=0, **QUIET)
+
+
+def _ckpt_files(root) -> set[str]:
+    return {name for name in os.listdir(root) if not name.startswith("last")}
+
+
+def _assert_consistent(callback: ModelCheckpoint, root) -> None:
+    assert all(os.path.exists(path) for path in callback.best_k_models), "ledger entry without a file"
+    assert {os.path.basename(p) for p in callback.best_k_models} == _ckpt_files(root)
+    best = min(callback.best_k_models, key=lambda p: callback.best_k_models[p])
+    assert callback.best_model_path == best
+
+
+def test_resume_from_a_guarded_checkpoint_keeps_a_consistent_ledger(tmp_path):
+    first = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
+    seed_everything(0)
+    _trainer(first, 2).fit(FaultyModel(val_losses=LOSSES))
+    resume_from = first.best_model_path
+    assert resume_from in torch.load(resume_from, weights_only=False)["callbacks"][first.state_key]["best_k_models"]
+
+    second = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
+    trainer = _trainer(second, 4)
+    trainer.fit(FaultyModel(val_losses=LOSSES), ckpt_path=resume_from)
+    assert trainer.global_step == 8
+    # epoch 2 (2.5) evicted epoch 0 (3.0); epoch 3 (1.0) evicted epoch 2
+    assert _ckpt_files(tmp_path) == {"epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt"}
+    _assert_consistent(second, tmp_path)
+
+
+@pytest.mark.parametrize("which", ["best", "last"])
+def test_ckpt_path_best_and_last(which, tmp_path):
+    first = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
+    seed_everything(0)
+    first_trainer = _trainer(first, 2)
+    first_trainer.fit(FaultyModel(val_losses=LOSSES))
+    trainer = _trainer(first, 3)
+    trainer.fit(FaultyModel(val_losses=LOSSES), ckpt_path=which)
+    assert trainer.ckpt_path == (first_trainer.checkpoint_callback.last_model_path if which == "last"
+                                 else str(tmp_path / "epoch=1-step=4.ckpt"))
+    assert trainer.global_step == 6
+
+
+def test_resume_from_a_plain_model_checkpoint_run_keeps_its_top_k(tmp_path):
+    plain = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
+    seed_everything(0)
+    _trainer(plain, 2).fit(FaultyModel(val_losses=LOSSES))
+    assert _ckpt_files(tmp_path) == {"epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"}
+
+    guarded = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
+    _trainer(guarded, 3).fit(FaultyModel(val_losses=LOSSES), ckpt_path=str(tmp_path / "last.ckpt"))
+    # the adopted ledger knew epoch 0 (3.0) was the worst of the top 2 and evicted it for epoch 2 (2.5);
+    # without it, epoch 0 would stay on disk forever as an untracked file
+    assert _ckpt_files(tmp_path) == {"epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"}
+    _assert_consistent(guarded, tmp_path)

@@ -1,0 +1,131 @@
+"""Two-rank CPU/gloo scenarios, run by ``tests/test_ddp.py`` as ``python ddp_scenarios.py OUT_DIR``.
+
+Lightning's subprocess script launcher starts rank 1 by re-running this script. Every rank runs every scenario
+in order, in one process group, and writes what it observed to ``OUT_DIR/rank{N}.json``. A scenario that hangs
+fails through the 60 s collective timeout; the test adds its own wall-clock timeout on top.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+from helpers import QUIET, FaultyModel, ledger_state, tree_digest  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+
+# name -> (callback kwargs, trainer kwargs, model kwargs); the fault is added per scenario
+PERIODIC = (dict(every_n_train_steps=2, save_top_k=-1), dict(max_steps=8, limit_val_batches=0), {})
+VAL_TOPK = (
+    dict(monitor="val_loss", save_top_k=2),
+    dict(max_epochs=4, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0),
+    dict(val_losses=[10.0, 9.0, 8.0, 7.0]),
+)
+LAST_ONLY = (dict(every_n_train_steps=2, save_top_k=0, save_last=True), dict(max_steps=8, limit_val_batches=0), {})
+# epoch 1 is worse than epoch 0, so its boundary writes nothing; epoch 2 enters the top-1
+UNSELECTED_THEN_SELECTED = (
+    dict(monitor="val_loss", save_top_k=1),
+    dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0),
+    dict(val_losses=[5.0, 6.0, 4.0]),
+)
+CONFIGS = {"periodic": PERIODIC, "val_topk": VAL_TOPK, "last": LAST_ONLY, "unselected": UNSELECTED_THEN_SELECTED}
+
+
+def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_steps: tuple[int, ...] = (),
+        on_non_finite: str = "raise") -> dict[str, Any]:
+    callback_kwargs, trainer_kwargs, model_kwargs = CONFIGS[config]
+    seed_everything(7)
+    dirpath = os.path.join(root, name)
+    if guarded:
+        callback: ModelCheckpoint = FiniteGradCheckpoint(dirpath=dirpath, on_non_finite=on_non_finite,
+                                                         **callback_kwargs)
+    else:
+        callback = ModelCheckpoint(dirpath=dirpath, **callback_kwargs)
+    model = FaultyModel(fault_steps=fault_steps, fault_ranks=(1,), zero1=zero1, **model_kwargs)
+    trainer = Trainer(
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2, callbacks=[callback], **QUIET, **trainer_kwargs
+    )
+    result: dict[str, Any] = {"error": None}
+    try:
+        trainer.fit(model)
+    except NonFiniteGradientError as error:
+        result["error"] = error.fields()
+    except Exception as error:  # reported, so the test shows what went wrong on which rank
+        result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    result.update(
+        tree=tree_digest(dirpath),
+        state=ledger_state(callback),
+        snapshots={str(k): v for k, v in model.snapshots.items()},
+        global_step=trainer.global_step,
+        should_stop=trainer.should_stop,
+    )
+    return result
+
+
+def guard_without_trainer(root: str) -> dict[str, Any]:
+    """The core on a raw ``torch.distributed`` process group, no Trainer: rank 1 alone sees a NaN."""
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.Linear(4, 2)
+    guard = GradientGuard(model)
+    model(torch.ones(3, 4)).sum().backward()
+    if torch.distributed.get_rank() == 1:
+        model.bias.grad[0] = float("nan")
+    guard.record(step=0)
+    verdict = guard.agree(torch.distributed.group.WORLD, global_step=1)
+    return {"error": verdict.to_error().fields() if not verdict.accepted else None}
+
+
+def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
+    table: dict[str, Callable[[str], dict[str, Any]]] = {}
+    for zero1 in (False, True):
+        opt = "zero1" if zero1 else "ddp"
+        for config in ("periodic", "val_topk", "last"):
+            fault = (5,)  # the last step before the boundary at global step 6
+            table[f"{opt}-{config}-reject"] = lambda root, n=f"{opt}-{config}-reject", c=config, z=zero1, f=fault: run(
+                root, n, c, z, True, f)
+            table[f"{opt}-{config}-finite"] = lambda root, n=f"{opt}-{config}-finite", c=config, z=zero1: run(
+                root, n, c, z, True)
+            table[f"{opt}-{config}-plain"] = lambda root, n=f"{opt}-{config}-plain", c=config, z=zero1: run(
+                root, n, c, z, False)
+        for policy in ("skip", "stop"):
+            table[f"{opt}-periodic-{policy}"] = lambda root, n=f"{opt}-periodic-{policy}", z=zero1, p=policy: run(
+                root, n, "periodic", z, True, (5,), p)
+        table[f"{opt}-unselected-reject"] = lambda root, n=f"{opt}-unselected-reject", z=zero1: run(
+            root, n, "unselected", z, True, (3,))
+    table["process-group-guard"] = guard_without_trainer
+    return table
+
+
+def main() -> None:
+    out = sys.argv[1]
+    only = set(sys.argv[2:])
+    results: dict[str, Any] = {}
+    rank = None
+    for name, scenario in scenarios().items():
+        if only and name not in only:
+            continue
+        results[name] = scenario(out)
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
