@@ -224,25 +224,31 @@ class FiniteGradCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------ writes outside our boundaries
 
-    def admit_save(self, filepath: str) -> bool:
+    def admit_save(self, strategy: Any, filepath: str) -> bool:
         """Gate for every checkpoint write of the Trainer (see :class:`~lightning_ckguard.seal.PublicationSeal`).
 
         Our own accepted boundary passes. Any other write (manual ``trainer.save_checkpoint``, other callbacks)
-        passes the same preflight agreement first. A rejected run refuses every later write: with the
-        ``NonFiniteGradientError``, or with a warning while Lightning is handling an exception, so that the original
-        error surfaces and the Trainer still tears down.
+        passes the same preflight agreement first; inside a running fit a rejection applies ``on_non_finite`` like
+        a boundary, outside one it raises. After a rejection every later write is refused: skipped with a warning
+        while the fit is still running or Lightning is handling an exception (so the original error surfaces and
+        the Trainer tears down), raised as the ``NonFiniteGradientError`` otherwise. Writes of a Trainer this
+        callback has since left pass.
         """
-        if self._publication.publishing or self._trainer is None:
+        if self._publication.publishing or self._trainer is None or strategy is not self._trainer.strategy:
             return True
         trainer = self._trainer
+        running = trainer.state.stage is not None
         if self._rejection is None:
             verdict = self._agree(trainer)
             if verdict.accepted:
                 assert self._guard is not None
                 self._guard.reset()
                 return True
+            if running and not trainer.interrupted:
+                self._reject(trainer, verdict, f"a save to {filepath}", during_exception=False)
+                return False  # "skip" or "stop": the write is skipped
             self._rejection = verdict.to_error()
-        if trainer.interrupted and trainer.state.stage is not None:
+        if running:
             rank_zero_warn(f"FiniteGradCheckpoint refused to write {filepath}. {self._rejection}")
             return False
         raise self._rejection

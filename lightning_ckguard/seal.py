@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional, Protocol
 class SaveAdmission(Protocol):
     """A guard that decides, identically on every rank, whether a checkpoint write may happen."""
 
-    def admit_save(self, filepath: str) -> bool:
-        """Return True to let the write happen, False to skip it silently, or raise to refuse it loudly."""
+    def admit_save(self, strategy: Any, filepath: str) -> bool:
+        """Return True to let ``strategy`` write ``filepath``, False to skip it with a warning, or raise to refuse."""
         ...
 
 
@@ -24,6 +24,7 @@ class PublicationSeal:
     """Wraps a strategy's ``save_checkpoint`` and asks every registered guard before a write."""
 
     def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
         self._save_checkpoint: Callable[..., Any] = strategy.save_checkpoint
         self._guards: list[SaveAdmission] = []
 
@@ -39,7 +40,7 @@ class PublicationSeal:
         return seal
 
     def __call__(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> Any:
-        admitted = [guard.admit_save(str(filepath)) for guard in self._guards]
+        admitted = [guard.admit_save(self._strategy, str(filepath)) for guard in self._guards]
         if not all(admitted):
             return None
         return self._save_checkpoint(checkpoint, filepath, storage_options=storage_options)

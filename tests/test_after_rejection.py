@@ -80,3 +80,31 @@ def test_a_new_fit_resuming_from_the_best_checkpoint_publishes_again(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [
         "epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last-v1.ckpt", "last.ckpt"]
     assert guard.rejection is None
+
+
+def test_manual_save_mid_run_follows_the_skip_policy(tmp_path):
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=100, on_non_finite="skip")
+    model = ManualSaver(tmp_path, weights_only=False, fault_steps=[3])
+    seed_everything(0)
+    trainer = Trainer(callbacks=[guard], **QUIET, **EPOCHS)
+    with pytest.warns(UserWarning, match="skipped the checkpoint at a save to .*manual-1.ckpt"):
+        trainer.fit(model)
+    assert trainer.global_step == 6
+    # epoch 1's save was skipped; epoch 2 recorded new, finite steps (the model sanitizes) and was saved
+    assert sorted(p.name for p in tmp_path.rglob("*.ckpt")) == ["manual-0.ckpt", "manual-2.ckpt"]
+
+
+def test_stop_refuses_other_checkpoint_callbacks_and_returns_normally(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "guarded", every_n_train_steps=2, save_top_k=-1,
+                                 on_non_finite="stop")
+    other = ModelCheckpoint(dirpath=tmp_path / "other", every_n_train_steps=2, save_top_k=-1, save_last=True)
+    seed_everything(0)
+    trainer = Trainer(callbacks=[guard, other], **QUIET, **EPOCHS)
+    with pytest.warns(UserWarning, match="refused to write .*other"):
+        trainer.fit(FaultyModel(fault_steps=[3], sanitize=False))
+    assert trainer.should_stop and trainer.global_step == 4
+    assert sorted(os.listdir(tmp_path / "guarded")) == ["epoch=0-step=2.ckpt"]
+    assert sorted(os.listdir(tmp_path / "other")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert guard.rejection is not None and guard.rejection.global_step == 4
