@@ -18,7 +18,6 @@ import shutil
 import tempfile
 import warnings
 from datetime import timedelta
-from typing import Callable
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
@@ -79,6 +78,9 @@ def latest_two_and_last(cls: type[ModelCheckpoint], dirpath: str) -> ModelCheckp
 
 
 def on_disk(dirpath: str) -> str:
+    if rank_zero_only.rank != 0:  # rank 0 owns the files; other ranks could race its evictions
+        return ""
+
     def state(name: str) -> str:
         weights = torch.load(os.path.join(dirpath, name), map_location="cpu", weights_only=False)["state_dict"]
         return "finite" if all(torch.isfinite(t).all() for t in weights.values()) else "NaN weights"
@@ -87,8 +89,8 @@ def on_disk(dirpath: str) -> str:
 
 
 @rank_zero_only
-def say(text: Callable[[], str]) -> None:
-    print(text())
+def say(*lines: str) -> None:
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -100,20 +102,20 @@ def main() -> None:
     plain_dir, guarded_dir = os.path.join(root, "plain"), os.path.join(root, "guarded")
 
     fit(latest_two_and_last(ModelCheckpoint, plain_dir), inject_fault=True)
-    say(lambda: f"[1] ModelCheckpoint, NaN on rank 1 at step {FAULT_STEP}:\n    {on_disk(plain_dir)}")
+    say(f"[1] ModelCheckpoint, NaN on rank 1 at step {FAULT_STEP}:", f"    {on_disk(plain_dir)}")
 
     guarded = latest_two_and_last(FiniteGradCheckpoint, guarded_dir)
     try:
         fit(guarded, inject_fault=True)
         raise SystemExit("the NaN was not caught")
     except NonFiniteGradientError as error:  # the same error, with the same fields, on every rank
-        say(lambda: f"[2] FiniteGradCheckpoint, same fault: every rank raised NonFiniteGradientError(ranks="
-            f"{error.ranks}, steps {error.first_step}-{error.last_step}, boundary at step {error.global_step}, "
-            f"parameters={list(error.parameters)})\n    {on_disk(guarded_dir)}")
+        say(f"[2] FiniteGradCheckpoint, same fault: every rank raised NonFiniteGradientError(ranks={error.ranks}, "
+            f"steps {error.first_step}-{error.last_step}, boundary at step {error.global_step}, "
+            f"parameters={list(error.parameters)})", f"    {on_disk(guarded_dir)}")
 
     last = guarded.last_model_path
     trainer = fit(latest_two_and_last(FiniteGradCheckpoint, guarded_dir), inject_fault=False, ckpt_path=last)
-    say(lambda: f"[3] resumed from {os.path.basename(last)} and finished at step {trainer.global_step}:\n"
+    say(f"[3] resumed from {os.path.basename(last)} and finished at step {trainer.global_step}:",
         f"    {on_disk(guarded_dir)}")
     if trainer.is_global_zero and "CKGUARD_KEEP" not in os.environ:
         shutil.rmtree(root, ignore_errors=True)

@@ -8,9 +8,9 @@ decision from the hook that applies it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,7 @@ def reach_verdict(
 AllGather = Callable[[Tensor], Tensor]
 
 
-def all_gather_for(collective: Optional[Any]) -> AllGather:
+def all_gather_for(collective: Any | None) -> AllGather:
     """Adapt what the caller has to one ``all_gather`` returning ``[world_size, ...]``.
 
     Accepts a Lightning or Fabric strategy (its ``all_gather``, so the strategy's process group and timeout apply),

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
@@ -71,20 +72,20 @@ class FiniteGradCheckpoint(ModelCheckpoint):
 
     def __init__(
         self,
-        dirpath: Optional[_PATH] = None,
-        filename: Optional[str] = None,
-        monitor: Optional[str] = None,
+        dirpath: _PATH | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
         verbose: bool = False,
-        save_last: Optional[Union[bool, Literal["link"]]] = None,
+        save_last: bool | Literal["link"] | None = None,
         save_top_k: int = 1,
         save_on_exception: bool = False,
         save_weights_only: bool = False,
         mode: str = "min",
         auto_insert_metric_name: bool = True,
-        every_n_train_steps: Optional[int] = None,
-        train_time_interval: Optional[timedelta] = None,
-        every_n_epochs: Optional[int] = None,
-        save_on_train_epoch_end: Optional[bool] = None,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
         *,
         on_non_finite: NonFinitePolicy = "raise",
@@ -110,19 +111,19 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         )
         self.on_non_finite: NonFinitePolicy = on_non_finite
         self.count_skipped_steps = count_skipped_steps
-        self._guard: Optional[GradientGuard] = None
+        self._guard: GradientGuard | None = None
         self._publication = BoundaryPublication()
-        self._rejection: Optional[NonFiniteGradientError] = None
-        self._trainer: Optional[pl.Trainer] = None
-        self._last_verdict: Optional[Verdict] = None
+        self._rejection: NonFiniteGradientError | None = None
+        self._trainer: pl.Trainer | None = None
+        self._last_verdict: Verdict | None = None
 
     @property
-    def rejection(self) -> Optional[NonFiniteGradientError]:
+    def rejection(self) -> NonFiniteGradientError | None:
         """The error of the rejection that sealed this run, if any. While set, nothing is published."""
         return self._rejection
 
     @property
-    def last_verdict(self) -> Optional[Verdict]:
+    def last_verdict(self) -> Verdict | None:
         """The verdict of the most recent agreement (boundary or manual save), identical on every rank."""
         return self._last_verdict
 

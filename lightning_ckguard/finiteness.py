@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+_MAX_CACHED_LAYOUTS = 256
+
 
 def _dense_values(grad: Tensor) -> Tensor:
     if grad.is_sparse:
@@ -69,5 +71,7 @@ class NonFiniteCheck:
         key = (device, tuple(positions))
         index = self._index_cache.get(key)
         if index is None:
+            if len(self._index_cache) >= _MAX_CACHED_LAYOUTS:  # e.g. MoE: which experts got gradients varies
+                self._index_cache.clear()
             index = self._index_cache[key] = torch.tensor(positions, device=device)
         return index

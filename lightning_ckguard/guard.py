@@ -20,7 +20,7 @@ directly::
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,8 +45,8 @@ class GradientGuard:
         module: nn.Module,
         *,
         count_skipped_steps: bool = False,
-        source: Optional[GradientSource] = None,
-        device: Optional[torch.device] = None,
+        source: GradientSource | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if device is None:
             first = next(module.parameters(), None)
@@ -56,7 +56,7 @@ class GradientGuard:
         self.window = NonFiniteWindow(torch.device(device))
         self._steps_seen = 0
 
-    def record(self, optimizer: Optional[Any] = None, *, step: Optional[int] = None, skipped: Optional[Tensor] = None) -> None:
+    def record(self, optimizer: Any | None = None, *, step: int | None = None, skipped: Tensor | None = None) -> None:
         """Record the gradients ``optimizer`` is about to apply (all of ``module``'s when ``None``).
 
         Call it after backward and before ``optimizer.step()``. ``step`` labels the step in reports (defaults to a
@@ -67,7 +67,7 @@ class GradientGuard:
         self.window.record(indices, grads, label, len(self.source.parameter_names), skipped)
         self._steps_seen += 1
 
-    def agree(self, collective: Optional[Any] = None, *, global_step: Optional[int] = None) -> Verdict:
+    def agree(self, collective: Any | None = None, *, global_step: int | None = None) -> Verdict:
         """Join the one agreement collective and return the verdict, which is the same on every rank.
 
         Every rank of ``collective`` must call this at the same point. ``collective`` is a Lightning/Fabric

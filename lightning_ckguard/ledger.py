@@ -8,7 +8,7 @@ dry run writes no file.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -46,12 +46,12 @@ class Ledger:
     kth_best_model_path: str
     kth_value: Tensor
     best_model_path: str
-    best_model_score: Optional[Tensor]
-    current_score: Optional[Tensor]
+    best_model_score: Tensor | None
+    current_score: Tensor | None
     last_model_path: str
     last_global_step_saved: int
     last_checkpoint_saved: str
-    last_time_checked: Optional[float]
+    last_time_checked: float | None
     defer_save_until_validation: bool
 
     @classmethod

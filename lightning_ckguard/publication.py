@@ -13,8 +13,9 @@ A boundary runs ``ModelCheckpoint``'s own hook twice at most:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -29,7 +30,7 @@ class PlannedWrite:
 
     action: Literal["save", "link", "remove"]
     path: str
-    target: Optional[str] = None
+    target: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class BoundaryPublication:
     def publishing(self) -> bool:
         return self._mode == "publishing"
 
-    def plan(self, action: Literal["save", "link", "remove"], path: str, target: Optional[str] = None) -> None:
+    def plan(self, action: Literal["save", "link", "remove"], path: str, target: str | None = None) -> None:
         self._planned.append(PlannedWrite(action, path, target))
 
     def note_write(self, path: str, existed: bool) -> None:

@@ -9,7 +9,8 @@ accepted boundary through.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 
 class SaveAdmission(Protocol):
@@ -39,7 +40,7 @@ class PublicationSeal:
             seal._guards.append(guard)
         return seal
 
-    def __call__(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> Any:
+    def __call__(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> Any:
         admitted = [guard.admit_save(self._strategy, str(filepath)) for guard in self._guards]
         if not all(admitted):
             return None

@@ -6,7 +6,7 @@ optimizer partitions, DTensor shards) plug in here; :func:`gradient_source_for` 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -20,7 +20,7 @@ class GradientSource(Protocol):
         """Name of each parameter index; indices are the same on every rank."""
         ...
 
-    def local_gradients(self, optimizer: Optional[Any] = None) -> tuple[tuple[int, ...], list[Tensor]]:
+    def local_gradients(self, optimizer: Any | None = None) -> tuple[tuple[int, ...], list[Tensor]]:
         """Return ``(indices, grads)`` for the parameters stepped by ``optimizer`` (all parameters if ``None``)."""
         ...
 
@@ -52,7 +52,7 @@ class ParameterGradients:
     def parameter_names(self) -> list[str]:
         return self._names
 
-    def _add(self, param: Tensor, name: Optional[str] = None) -> int:
+    def _add(self, param: Tensor, name: str | None = None) -> int:
         key = id(param)
         if key not in self._index:
             self._index[key] = len(self._names)
@@ -68,7 +68,7 @@ class ParameterGradients:
             self._optimizer_params[id(optimizer)] = cached
         return cached[1]
 
-    def local_gradients(self, optimizer: Optional[Any] = None) -> tuple[tuple[int, ...], list[Tensor]]:
+    def local_gradients(self, optimizer: Any | None = None) -> tuple[tuple[int, ...], list[Tensor]]:
         params = self._module_params if optimizer is None else self._params_of(optimizer)
         indices: list[int] = []
         grads: list[Tensor] = []

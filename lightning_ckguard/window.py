@@ -7,7 +7,6 @@ read at a boundary, as one small integer vector (:meth:`NonFiniteWindow.summary`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -21,6 +20,7 @@ MAX_REPORTED_PARAMETERS = 8
 APPLIED, FIRST_APPLIED, LAST_APPLIED, SKIPPED, FIRST_SKIPPED, LAST_SKIPPED, PENDING, NUM_PARAMETERS = range(8)
 SUMMARY_HEADER = 8
 SUMMARY_SIZE = SUMMARY_HEADER + MAX_REPORTED_PARAMETERS
+_MAX_CACHED_LAYOUTS = 256
 
 
 class NonFiniteWindow:
@@ -54,7 +54,7 @@ class NonFiniteWindow:
         grads: Sequence[Tensor],
         step: int,
         num_parameters: int,
-        skipped: Optional[Tensor] = None,
+        skipped: Tensor | None = None,
     ) -> None:
         """Record one optimizer step: ``grads[j]`` is the local gradient of parameter ``indices[j]``.
 
@@ -81,6 +81,8 @@ class NonFiniteWindow:
     def _index_tensor(self, indices: tuple[int, ...]) -> Tensor:
         index = self._index_cache.get(indices)
         if index is None:
+            if len(self._index_cache) >= _MAX_CACHED_LAYOUTS:  # e.g. MoE: which experts got gradients varies
+                self._index_cache.clear()
             index = self._index_cache[indices] = torch.tensor(indices, dtype=torch.int64, device=self.device)
         return index
 

@@ -3,7 +3,6 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Optional
 
 import pytest
 
@@ -16,7 +15,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, args: list[str], timeout: float, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+def run_ranks(script: str, args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     # ``script`` is a path relative to tests/ (e.g. ``workers/ddp_scenarios.py``) or absolute
     """Run a worker script whose rank 0 launches the other ranks (Lightning's subprocess launcher).
 

@@ -6,7 +6,7 @@ import hashlib
 import math
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -18,7 +18,7 @@ from lightning_ckguard.ledger import Ledger
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
 
 
-def tree_digest(root: Optional[str]) -> dict[str, Any]:
+def tree_digest(root: str | None) -> dict[str, Any]:
     """Every entry under ``root``: file content hashes, link targets, directories. Symlinks are not followed."""
     digest: dict[str, Any] = {}
     if not root or not os.path.isdir(root):
@@ -70,7 +70,7 @@ class FaultyModel(BoringModel):
         snapshot_steps: Iterable[int] = (),
         fault_ranks: Sequence[int] = (0,),
         value: float = float("nan"),
-        val_losses: Optional[Sequence[float]] = None,
+        val_losses: Sequence[float] | None = None,
         zero1: bool = False,
         sanitize: bool = True,
         lr: float = 0.1,

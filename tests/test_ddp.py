@@ -74,7 +74,7 @@ def test_rank1_only_nan_is_rejected_on_every_rank_and_changes_nothing(ranks, opt
 def test_finite_control_saves_like_model_checkpoint(ranks, optimizer, boundary):
     for rank, results in enumerate(ranks):
         guarded, plain = results[f"{optimizer}-{boundary}-finite"], results[f"{optimizer}-{boundary}-plain"]
-        assert guarded["error"] is None and plain["error"] is None
+        assert guarded["error"] is None and plain["error"] is None, f"rank {rank}"
         assert _relative(guarded["state"], _dirname(guarded)) == _relative(plain["state"], _dirname(plain))
     guarded, plain = ranks[0][f"{optimizer}-{boundary}-finite"], ranks[0][f"{optimizer}-{boundary}-plain"]
     assert sorted(guarded["tree"]) == sorted(plain["tree"])
