@@ -232,12 +232,16 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         passes the same preflight agreement first; inside a running fit a rejection applies ``on_non_finite`` like
         a boundary, outside one it raises. After a rejection every later write is refused: skipped with a warning
         while the fit is still running or Lightning is handling an exception (so the original error surfaces and
-        the Trainer tears down), raised as the ``NonFiniteGradientError`` otherwise. Writes of a Trainer this
-        callback has since left pass.
+        the Trainer tears down), raised as the ``NonFiniteGradientError`` otherwise.
         """
-        if self._publication.publishing or self._trainer is None or strategy is not self._trainer.strategy:
+        if self._publication.publishing:
             return True
         trainer = self._trainer
+        if trainer is None or strategy is not trainer.strategy:
+            # a Trainer this callback has since left: it records nothing for it any more, but a rejection stands
+            if self._rejection is not None:
+                raise self._rejection
+            return True
         running = trainer.state.stage is not None
         if self._rejection is None:
             verdict = self._agree(trainer)

@@ -85,6 +85,7 @@ class FaultyModel(BoringModel):
         self.sanitize = sanitize
         self.lr = lr
         self.snapshots: dict[int, dict[str, Any]] = {}
+        self.consolidations = 0  # ZeRO-1 optimizer-state consolidations: the collective checkpoint collection
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         out = super().validation_step(batch, batch_idx)
@@ -96,7 +97,11 @@ class FaultyModel(BoringModel):
         step = self.trainer.global_step
         if step in self.snapshot_steps:
             callback = next(c for c in self.trainer.callbacks if isinstance(c, ModelCheckpoint))
-            self.snapshots[step] = {"tree": tree_digest(callback.dirpath), "state": ledger_state(callback)}
+            self.snapshots[step] = {
+                "tree": tree_digest(callback.dirpath),
+                "state": ledger_state(callback),
+                "consolidations": self.consolidations,
+            }
         if step in self.fault_steps and self.global_rank in self.fault_ranks:
             self.layer.weight.grad[0, 0] = self.value
 
@@ -110,5 +115,12 @@ class FaultyModel(BoringModel):
         if self.zero1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=self.lr)
+            model = self
+
+            class CountingZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+                def consolidate_state_dict(self, to: int = 0) -> None:
+                    model.consolidations += 1
+                    super().consolidate_state_dict(to)
+
+            return CountingZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -64,9 +64,13 @@ def test_rank1_only_nan_is_rejected_on_every_rank_and_changes_nothing(ranks, opt
         before = result["snapshots"]["5"]
         assert result["state"] == before["state"], f"rank {rank}: callback state changed"
         assert result["global_step"] == 6
+        # the agreement came first: the rejected boundary never started ZeRO-1's optimizer-state consolidation
+        assert result["consolidations"] == before["consolidations"], f"rank {rank}: consolidated after the fault"
     rank0 = ranks[0][name]
     assert rank0["tree"] == rank0["snapshots"]["5"]["tree"], "checkpoint directory changed"
     assert rank0["tree"], "the finite boundaries before the fault should have saved"
+    if optimizer == "zero1":
+        assert rank0["snapshots"]["5"]["consolidations"] > 0, "the finite saves before the fault consolidate"
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

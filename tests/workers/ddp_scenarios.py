@@ -72,6 +72,7 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
         state=ledger_state(callback),
         snapshots={str(k): v for k, v in model.snapshots.items()},
         global_step=trainer.global_step,
+        consolidations=model.consolidations,
         should_stop=trainer.should_stop,
     )
     return result
