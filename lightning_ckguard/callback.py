@@ -185,7 +185,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
         proposal = self._publication.propose(self, hook)
         if not proposal.publishes:
-            proposal.after.apply_to(self)  # bookkeeping only (deferrals, timers), exactly as ModelCheckpoint
+            proposal.adopt(self)  # bookkeeping and log lines only (deferrals, timers), exactly as ModelCheckpoint
             return
         verdict = self._agree(trainer)
         if not verdict.accepted:

@@ -13,11 +13,13 @@ A boundary runs ``ModelCheckpoint``'s own hook twice at most:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_utilities.core import rank_zero as _rank_zero
 
 from lightning_ckguard.ledger import Ledger
 
@@ -35,16 +37,47 @@ class PlannedWrite:
 
 @dataclass(frozen=True)
 class Proposal:
-    """What a boundary would do: the ledger before and after it, and its file operations in order."""
+    """What a boundary would do: the ledger before and after it, its file operations in order, and the rank-zero
+    log records it emitted (held back: "saving model to ..." must not print for a boundary that is rejected)."""
 
     before: Ledger
     after: Ledger
     writes: tuple[PlannedWrite, ...]
+    held_logs: tuple[logging.LogRecord, ...] = ()
 
     @property
     def publishes(self) -> bool:
         """Whether the boundary writes anything. A boundary that writes nothing needs no agreement."""
         return any(write.action != "remove" for write in self.writes)
+
+    def adopt(self, checkpoint: ModelCheckpoint) -> None:
+        """Keep the dry run's outcome as if it had run for real; only for a proposal that publishes nothing."""
+        assert not self.publishes
+        self.after.apply_to(checkpoint)
+        for record in self.held_logs:
+            logging.getLogger(record.name).handle(record)
+
+
+class _HoldRecords(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+@contextmanager
+def _held_rank_zero_logs() -> Iterator[list[logging.LogRecord]]:
+    """Hold back what ``rank_zero_info`` logs (``ModelCheckpoint``'s verbose lines) instead of emitting it."""
+    logger = _rank_zero.log
+    hold = _HoldRecords()
+    logger.addFilter(hold)
+    try:
+        yield hold.records
+    finally:
+        logger.removeFilter(hold)
 
 
 class BoundaryPublication:
@@ -81,15 +114,14 @@ class BoundaryPublication:
         """Dry-run ``run_hook`` (a ``ModelCheckpoint`` hook) and return what it would do; state is left as before."""
         before = Ledger.capture(checkpoint)
         self._mode, self._planned = "planning", []
-        verbose, checkpoint.verbose = checkpoint.verbose, False  # its "saving model to ..." lines belong to publish
         try:
-            run_hook()
+            with _held_rank_zero_logs() as held:
+                run_hook()
             after = Ledger.capture(checkpoint)
         finally:
             self._mode = "idle"
-            checkpoint.verbose = verbose
             before.apply_to(checkpoint)
-        return Proposal(before, after, tuple(self._planned))
+        return Proposal(before, after, tuple(self._planned), tuple(held))
 
     def publish(
         self,

@@ -149,3 +149,26 @@ def test_stop_returns_normally_and_later_boundaries_publish_nothing(tmp_path):
     assert trainer.should_stop and trainer.global_step == 6
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
     assert callback.rejection is not None and callback.rejection.global_step == 6
+
+
+def _verbose_lines(caplog, callback_cls, root) -> list[str]:
+    caplog.clear()
+    callback = callback_cls(dirpath=root, monitor="val_loss", save_top_k=1, save_last=True, verbose=True)
+    with caplog.at_level("INFO"):
+        fit(callback, EPOCHS, val_losses=[3.0, 4.0, 2.0, 5.0])
+    return [r.getMessage().replace(str(root), "<dir>") for r in caplog.records if "val_loss" in r.getMessage()]
+
+
+def test_verbose_lines_match_model_checkpoint(caplog, tmp_path):
+    theirs = _verbose_lines(caplog, ModelCheckpoint, tmp_path / "plain")
+    ours = _verbose_lines(caplog, FiniteGradCheckpoint, tmp_path / "guarded")
+    assert ours == theirs
+    assert sum("was not in top 1" in line for line in ours) == 2 and sum("saving model" in line for line in ours) == 2
+
+
+def test_rejected_boundary_logs_no_saving_line(caplog, tmp_path):
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, verbose=True)
+    with caplog.at_level("INFO"), pytest.raises(NonFiniteGradientError):
+        fit(callback, EPOCHS, fault_steps=[4])
+    saving = [r.getMessage() for r in caplog.records if "saving model" in r.getMessage()]
+    assert len(saving) == 1 and "epoch=0-step=3.ckpt" in saving[0]
