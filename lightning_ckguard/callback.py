@@ -132,7 +132,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._trainer = trainer
-        PublicationSeal.install(trainer.strategy, self)
+        PublicationSeal.install(trainer, self)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after the strategy wrapped the model and built the optimizers, so parameter identities are final
@@ -225,7 +225,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------ writes outside our boundaries
 
-    def admit_save(self, strategy: Any, filepath: str) -> bool:
+    def admit_save(self, trainer: pl.Trainer, filepath: str) -> bool:
         """Gate for every checkpoint write of the Trainer (see :class:`~lightning_ckguard.seal.PublicationSeal`).
 
         Our own accepted boundary passes. Any other write (manual ``trainer.save_checkpoint``, other callbacks)
@@ -236,8 +236,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         """
         if self._publication.publishing:
             return True
-        trainer = self._trainer
-        if trainer is None or strategy is not trainer.strategy:
+        if trainer is not self._trainer:
             # a Trainer this callback has since left: it records nothing for it any more, but a rejection stands
             if self._rejection is not None:
                 raise self._rejection

@@ -60,6 +60,7 @@ class FaultyModel(BoringModel):
     gradients. ``sanitize`` replaces non-finite gradients by zeros right before the optimizer step (after the guard
     recorded them), so the weights stay finite and later windows are clean: the guard must still reject.
     ``val_losses[epoch]`` is logged as ``val_loss`` to choose exactly which validation boundaries enter the top-K.
+    With ``manual_save_dir``, every training epoch ends with a manual ``trainer.save_checkpoint`` there.
     At ``snapshot_steps`` and right before a fault, the checkpoint directory and callback state are snapshotted
     on every rank.
     """
@@ -74,6 +75,8 @@ class FaultyModel(BoringModel):
         zero1: bool = False,
         sanitize: bool = True,
         lr: float = 0.1,
+        manual_save_dir: str | None = None,
+        manual_weights_only: bool = False,
     ) -> None:
         super().__init__()
         self.fault_steps = set(fault_steps)
@@ -84,6 +87,8 @@ class FaultyModel(BoringModel):
         self.zero1 = zero1
         self.sanitize = sanitize
         self.lr = lr
+        self.manual_save_dir = manual_save_dir
+        self.manual_weights_only = manual_weights_only
         self.snapshots: dict[int, dict[str, Any]] = {}
         self.consolidations = 0  # ZeRO-1 optimizer-state consolidations: the collective checkpoint collection
 
@@ -110,6 +115,11 @@ class FaultyModel(BoringModel):
             for p in self.parameters():
                 if p.grad is not None:
                     torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def on_train_epoch_end(self) -> None:
+        if self.manual_save_dir is not None:
+            path = os.path.join(self.manual_save_dir, f"manual-{self.current_epoch}.ckpt")
+            self.trainer.save_checkpoint(path, weights_only=self.manual_weights_only)
 
     def configure_optimizers(self) -> Any:
         if self.zero1:

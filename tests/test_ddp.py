@@ -125,3 +125,14 @@ def test_unselected_validation_boundary_does_not_consume_the_window(ranks, optim
 def test_guard_on_a_raw_process_group_reaches_the_same_verdict(ranks):
     expected = {**EXPECTED_REJECTION, "first_step": 0, "last_step": 0, "global_step": 1, "parameters": ["bias"]}
     assert [results["process-group-guard"]["error"] for results in ranks] == [expected, expected]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_manual_save_is_agreed_before_any_checkpoint_collection(ranks, optimizer):
+    # epoch 0 (steps 0-1) is saved by hand; the NaN at step 3 is in epoch 1, whose manual save must be refused
+    for rank, results in enumerate(ranks):
+        result = results[f"{optimizer}-manual-reject"]
+        assert result["error"] == {**EXPECTED_REJECTION, "first_step": 3, "last_step": 3, "global_step": 4}
+        assert result["consolidations"] == result["snapshots"]["3"]["consolidations"], f"rank {rank}"
+    rank0 = ranks[0][f"{optimizer}-manual-reject"]
+    assert set(rank0["tree"]) == {"manual-0.ckpt"} and rank0["tree"] == rank0["snapshots"]["3"]["tree"]

@@ -43,7 +43,10 @@ UNSELECTED_THEN_SELECTED = (
     dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0),
     dict(val_losses=[5.0, 6.0, 4.0]),
 )
-CONFIGS = {"periodic": PERIODIC, "val_topk": VAL_TOPK, "last": LAST_ONLY, "unselected": UNSELECTED_THEN_SELECTED}
+# the callback itself never writes; user code saves by hand at every epoch end
+MANUAL = (dict(every_n_epochs=100), dict(max_epochs=3, limit_train_batches=2, limit_val_batches=0), {})
+CONFIGS = {"periodic": PERIODIC, "val_topk": VAL_TOPK, "last": LAST_ONLY, "unselected": UNSELECTED_THEN_SELECTED,
+           "manual": MANUAL}
 
 
 def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_steps: tuple[int, ...] = (),
@@ -56,6 +59,8 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
                                                          **callback_kwargs)
     else:
         callback = ModelCheckpoint(dirpath=dirpath, **callback_kwargs)
+    if config == "manual":
+        model_kwargs = dict(model_kwargs, manual_save_dir=dirpath)
     model = FaultyModel(fault_steps=fault_steps, fault_ranks=(1,), zero1=zero1, **model_kwargs)
     trainer = Trainer(
         strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2, callbacks=[callback], **QUIET, **trainer_kwargs
@@ -107,6 +112,8 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
         for policy in ("skip", "stop"):
             table[f"{opt}-periodic-{policy}"] = lambda root, n=f"{opt}-periodic-{policy}", z=zero1, p=policy: run(
                 root, n, "periodic", z, True, (5,), p)
+        table[f"{opt}-manual-reject"] = lambda root, n=f"{opt}-manual-reject", z=zero1: run(
+            root, n, "manual", z, True, (3,))
         table[f"{opt}-unselected-reject"] = lambda root, n=f"{opt}-unselected-reject", z=zero1: run(
             root, n, "unselected", z, True, (3,))
     table["process-group-guard"] = guard_without_trainer
