@@ -172,3 +172,46 @@ def test_rejected_boundary_logs_no_saving_line(caplog, tmp_path):
         fit(callback, EPOCHS, fault_steps=[4])
     saving = [r.getMessage() for r in caplog.records if "saving model" in r.getMessage()]
     assert len(saving) == 1 and "epoch=0-step=3.ckpt" in saving[0]
+
+
+@pytest.mark.parametrize("config", list(PARITY_CONFIGS))
+def test_every_kind_of_boundary_rejects_and_changes_nothing(config, tmp_path):
+    callback_kwargs, trainer_kwargs = PARITY_CONFIGS[config]
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, **callback_kwargs)
+    model = FaultyModel(fault_steps=[4], val_losses=VAL_LOSSES, sanitize=False)
+    seed_everything(0)
+    with pytest.raises(NonFiniteGradientError) as info:
+        Trainer(callbacks=[callback], **QUIET, **trainer_kwargs).fit(model)
+    assert (info.value.ranks, info.value.first_step) == ((0,), 4)
+    assert tree_digest(str(tmp_path)) == model.snapshots[4]["tree"]
+    assert ledger_state(callback) == model.snapshots[4]["state"]
+
+
+class FailsAt(FaultyModel):
+    def __init__(self, fail_step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fail_step = fail_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == self.fail_step:
+            raise RuntimeError("data loader hiccup")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("cls", [ModelCheckpoint, FiniteGradCheckpoint])
+def test_save_on_exception_with_a_finite_window_saves_like_model_checkpoint(cls, tmp_path):
+    callback = cls(dirpath=tmp_path, monitor="val_loss", save_on_exception=True)
+    seed_everything(0)
+    with pytest.raises(RuntimeError, match="hiccup"):
+        Trainer(callbacks=[callback], **QUIET, **EPOCHS).fit(FailsAt(5, val_losses=VAL_LOSSES))
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "epoch=1-step=5.ckpt"]
+
+
+def test_save_on_exception_after_a_nan_saves_nothing_and_keeps_the_original_error(tmp_path):
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_on_exception=True)
+    model = FailsAt(5, fault_steps=[4], val_losses=VAL_LOSSES)
+    seed_everything(0)
+    with pytest.warns(UserWarning, match="did not save on exception"), pytest.raises(RuntimeError, match="hiccup"):
+        Trainer(callbacks=[callback], **QUIET, **EPOCHS).fit(model)
+    assert tree_digest(str(tmp_path)) == model.snapshots[4]["tree"]
+    assert callback.rejection is not None and callback.rejection.first_step == 4
