@@ -194,6 +194,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         remove = partial(ModelCheckpoint._remove_checkpoint, self, trainer)
         self._publication.publish(self, hook, rollback_to=proposal.before, remove=remove)
         assert self._guard is not None
+        log.debug("FiniteGradCheckpoint published at %s, global step %d: %s", name, trainer.global_step, verdict.reason)
         self._guard.reset()
 
     def _agree(self, trainer: pl.Trainer) -> Verdict:
