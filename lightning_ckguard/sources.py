@@ -6,12 +6,11 @@ optimizer partitions, DTensor shards) plug in here; :func:`gradient_source_for` 
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
 
-@runtime_checkable
 class GradientSource(Protocol):
     """Yields a rank's local gradients, with a stable index per parameter for attribution."""
 

@@ -46,7 +46,7 @@ class NonFiniteWindow:
         self.pending_rejection = False
         self._check = NonFiniteCheck()
         self._index_cache: dict[tuple[int, ...], Tensor] = {}
-        self._no_skip = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._false = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def record(
         self,
@@ -66,13 +66,13 @@ class NonFiniteWindow:
             grown = torch.zeros(num_parameters, dtype=torch.int32, device=self.device)
             grown[: self.parameter_counts.numel()] = self.parameter_counts
             self.parameter_counts = grown
-        skip = self._no_skip if skipped is None else skipped.to(self.device, torch.bool, non_blocking=True)
+        skip = self._false if skipped is None else skipped.to(self.device, torch.bool, non_blocking=True)
         if grads:
             flags = self._check(grads, self.device)
             self.parameter_counts.index_add_(0, self._index_tensor(indices), flags.to(torch.int32))
             non_finite = flags.any()
         else:
-            non_finite = self._no_skip
+            non_finite = self._false
         events = torch.stack([non_finite & ~skip, skip])
         self.step_counts += events
         self.first_steps.copy_(torch.where(events & (self.first_steps < 0), step, self.first_steps))
