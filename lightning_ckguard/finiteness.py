@@ -15,7 +15,24 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-_MAX_CACHED_LAYOUTS = 256
+
+class IndexTensors:
+    """Device index tensors for lists of positions, cached so a steady training loop copies nothing per step."""
+
+    MAX_LAYOUTS = 256  # bounded: which parameters have gradients can vary per step (e.g. MoE experts)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cache: dict[tuple[int, ...], Tensor] = {}
+
+    def __call__(self, positions: Sequence[int]) -> Tensor:
+        key = tuple(positions)
+        index = self._cache.get(key)
+        if index is None:
+            if len(self._cache) >= self.MAX_LAYOUTS:
+                self._cache.clear()
+            index = self._cache[key] = torch.tensor(key, dtype=torch.int64, device=self.device)
+        return index
 
 
 def _dense_values(grad: Tensor) -> Tensor:
@@ -48,7 +65,7 @@ class NonFiniteCheck:
     """
 
     def __init__(self) -> None:
-        self._index_cache: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
+        self._indices: dict[torch.device, IndexTensors] = {}
 
     def __call__(self, grads: Sequence[Tensor], out_device: torch.device) -> Tensor:
         """Return a bool tensor on ``out_device``: ``flags[i]`` is True when ``grads[i]`` is not finite."""
@@ -68,10 +85,7 @@ class NonFiniteCheck:
         return flags
 
     def _index(self, device: torch.device, positions: list[int]) -> Tensor:
-        key = (device, tuple(positions))
-        index = self._index_cache.get(key)
-        if index is None:
-            if len(self._index_cache) >= _MAX_CACHED_LAYOUTS:  # e.g. MoE: which experts got gradients varies
-                self._index_cache.clear()
-            index = self._index_cache[key] = torch.tensor(positions, device=device)
-        return index
+        indices = self._indices.get(device)
+        if indices is None:
+            indices = self._indices[device] = IndexTensors(device)
+        return indices(positions)

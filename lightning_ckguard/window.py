@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_ckguard.finiteness import NonFiniteCheck
+from lightning_ckguard.finiteness import IndexTensors, NonFiniteCheck
 
 #: How many offending parameter indices each rank reports at a boundary.
 MAX_REPORTED_PARAMETERS = 8
@@ -20,7 +20,6 @@ MAX_REPORTED_PARAMETERS = 8
 APPLIED, FIRST_APPLIED, LAST_APPLIED, SKIPPED, FIRST_SKIPPED, LAST_SKIPPED, PENDING, NUM_PARAMETERS = range(8)
 SUMMARY_HEADER = 8
 SUMMARY_SIZE = SUMMARY_HEADER + MAX_REPORTED_PARAMETERS
-_MAX_CACHED_LAYOUTS = 256
 
 
 class NonFiniteWindow:
@@ -45,7 +44,7 @@ class NonFiniteWindow:
         self.steps_recorded = 0
         self.pending_rejection = False
         self._check = NonFiniteCheck()
-        self._index_cache: dict[tuple[int, ...], Tensor] = {}
+        self._indices = IndexTensors(self.device)
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def record(
@@ -69,7 +68,7 @@ class NonFiniteWindow:
         skip = self._false if skipped is None else skipped.to(self.device, torch.bool, non_blocking=True)
         if grads:
             flags = self._check(grads, self.device)
-            self.parameter_counts.index_add_(0, self._index_tensor(indices), flags.to(torch.int32))
+            self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
             non_finite = flags.any()
         else:
             non_finite = self._false
@@ -77,14 +76,6 @@ class NonFiniteWindow:
         self.step_counts += events
         self.first_steps.copy_(torch.where(events & (self.first_steps < 0), step, self.first_steps))
         self.last_steps.copy_(torch.where(events, step, self.last_steps))
-
-    def _index_tensor(self, indices: tuple[int, ...]) -> Tensor:
-        index = self._index_cache.get(indices)
-        if index is None:
-            if len(self._index_cache) >= _MAX_CACHED_LAYOUTS:  # e.g. MoE: which experts got gradients varies
-                self._index_cache.clear()
-            index = self._index_cache[indices] = torch.tensor(indices, dtype=torch.int64, device=self.device)
-        return index
 
     def summary(self) -> Tensor:
         """This rank's window as an int64 vector of ``SUMMARY_SIZE`` on the device (boundary use only)."""
