@@ -41,22 +41,11 @@ def test_no_save_on_exception_and_no_on_exception_checkpoint_after_rejection(exc
     assert not (tmp_path / "manual.ckpt").exists()
 
 
-class ManualSaver(FaultyModel):
-    """Saves by hand at the end of every training epoch, as user code does."""
-
-    def __init__(self, root, weights_only: bool, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.root, self.weights_only = root, weights_only
-
-    def on_train_epoch_end(self) -> None:
-        self.trainer.save_checkpoint(os.path.join(self.root, f"manual-{self.current_epoch}.ckpt"), self.weights_only)
-
-
 @pytest.mark.parametrize("weights_only", [False, True])
 def test_manual_save_mid_run_goes_through_the_preflight(weights_only, tmp_path):
     # the callback itself never saves here: only the manual saves are checked
     guard = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=100)
-    model = ManualSaver(tmp_path, weights_only, fault_steps=[3])
+    model = FaultyModel(fault_steps=[3], manual_save_dir=str(tmp_path), manual_weights_only=weights_only)
     seed_everything(0)
     trainer = Trainer(callbacks=[guard], **QUIET, **EPOCHS)
     with pytest.raises(NonFiniteGradientError) as info:
@@ -84,7 +73,7 @@ def test_a_new_fit_resuming_from_the_best_checkpoint_publishes_again(tmp_path):
 
 def test_manual_save_mid_run_follows_the_skip_policy(tmp_path):
     guard = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=100, on_non_finite="skip")
-    model = ManualSaver(tmp_path, weights_only=False, fault_steps=[3])
+    model = FaultyModel(fault_steps=[3], manual_save_dir=str(tmp_path))
     seed_everything(0)
     trainer = Trainer(callbacks=[guard], **QUIET, **EPOCHS)
     with pytest.warns(UserWarning, match="skipped the checkpoint at a save to .*manual-1.ckpt"):
