@@ -30,6 +30,7 @@ from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.publication import BoundaryPublication
 from lightning_ckguard.seal import PublicationSeal
+from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.sources import gradient_source_for
 
 log = logging.getLogger(__name__)
@@ -155,13 +156,16 @@ class FiniteGradCheckpoint(ModelCheckpoint):
     ) -> None:
         # after backward, gradient accumulation and AMP unscaling, before clipping and the step itself
         if self._guard is not None:
-            self._guard.record(optimizer, step=trainer.global_step)
+            scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+            self._guard.record(optimizer, step=trainer.global_step, skipped=scaler_skip_flag(scaler, optimizer))
 
     # ------------------------------------------------------------------ boundaries
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
+        if self._guard is not None:
+            self._guard.conclude_step()  # the optimizer has run: a strategy that skips steps (DeepSpeed) knows now
         hook = partial(super().on_train_batch_end, trainer, pl_module, outputs, batch, batch_idx)
         self._boundary(trainer, "train batch end", hook)
 

@@ -56,16 +56,32 @@ class GradientGuard:
         self.window = NonFiniteWindow(torch.device(device))
         self._steps_seen = 0
 
-    def record(self, optimizer: Any | None = None, *, step: int | None = None, skipped: Tensor | None = None) -> None:
+    def record(
+        self, optimizer: Any | None = None, *, step: int | None = None, skipped: Tensor | bool | None = None
+    ) -> None:
         """Record the gradients ``optimizer`` is about to apply (all of ``module``'s when ``None``).
 
-        Call it after backward and before ``optimizer.step()``. ``step`` labels the step in reports (defaults to a
-        running count); ``skipped`` is a 0-d tensor that is True when a loss scaler will skip this step.
+        Call it after backward (and after unscaling, with a loss scaler) and before ``optimizer.step()``. ``step``
+        labels the step in reports (defaults to a running count). ``skipped`` is True, or a 0-d tensor that is True,
+        when a loss scaler will skip this step (see :func:`~lightning_ckguard.skips.scaler_skip_flag`). Sources that
+        only learn after the step whether it was skipped (DeepSpeed) hold the step until :meth:`conclude_step`.
         """
-        indices, grads = self.source.local_gradients(optimizer)
+        gradients = self.source.local_gradients(optimizer)
+        if gradients is None:  # not an optimizer step (e.g. a DeepSpeed micro-batch inside accumulation)
+            return
+        indices, grads = gradients
         label = self._steps_seen if step is None else step
-        self.window.record(indices, grads, label, len(self.source.parameter_names), skipped)
+        num_parameters = len(self.source.parameter_names)
+        if skipped is None and getattr(self.source, "defers_skip_outcome", False):
+            self.window.record_pending(indices, grads, label, num_parameters)
+        else:
+            self.window.record(indices, grads, label, num_parameters, skipped)
         self._steps_seen += 1
+
+    def conclude_step(self) -> None:
+        """After the optimizer step: settle a step whose skip outcome the source only knows now (DeepSpeed)."""
+        if self.window.has_pending_step:
+            self.window.settle(skipped=self.source.skipped_last_step())
 
     def agree(self, collective: Any | None = None, *, global_step: int | None = None) -> Verdict:
         """Join the one agreement collective and return the verdict, which is the same on every rank.

@@ -32,7 +32,8 @@ class NonFiniteWindow:
     - ``parameter_counts[i]``: non-finite steps seen in parameter ``i``'s gradient.
 
     Host-side: ``steps_recorded`` and ``pending_rejection`` (the last boundary was rejected and no step has run since,
-    so the weights are still the rejected ones).
+    so the weights are still the rejected ones), and at most one step whose outcome is not known yet (see
+    :meth:`record_pending`).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -46,6 +47,8 @@ class NonFiniteWindow:
         self._check = NonFiniteCheck()
         self._indices = IndexTensors(self.device)
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._true = torch.ones((), dtype=torch.bool, device=self.device)
+        self._pending: tuple[Tensor, int] | None = None
 
     def record(
         self,
@@ -53,25 +56,56 @@ class NonFiniteWindow:
         grads: Sequence[Tensor],
         step: int,
         num_parameters: int,
-        skipped: Tensor | None = None,
+        skipped: Tensor | bool | None = None,
     ) -> None:
         """Record one optimizer step: ``grads[j]`` is the local gradient of parameter ``indices[j]``.
 
-        ``skipped`` is a 0-d device tensor, True when a loss scaler skipped this step (it was never applied).
+        ``skipped`` is True (a 0-d device tensor or a bool) when a loss scaler skipped this step: it was never
+        applied.
         """
+        self.settle(skipped=False)
+        self._count(self._observe(indices, grads, num_parameters), step, skipped)
+
+    def record_pending(self, indices: tuple[int, ...], grads: Sequence[Tensor], step: int, num_parameters: int) -> None:
+        """Record a step whose outcome (applied or skipped) is only known after the optimizer ran (DeepSpeed).
+
+        :meth:`settle` completes it; a step still pending at the next record or summary counts as applied.
+        """
+        self.settle(skipped=False)
+        self._pending = (self._observe(indices, grads, num_parameters), step)
+
+    @property
+    def has_pending_step(self) -> bool:
+        """Whether a step recorded with :meth:`record_pending` awaits :meth:`settle`."""
+        return self._pending is not None
+
+    def settle(self, skipped: Tensor | bool) -> None:
+        """Complete the pending step, if any: ``skipped`` says whether the optimizer skipped it."""
+        if self._pending is not None:
+            non_finite, step = self._pending
+            self._pending = None
+            self._count(non_finite, step, skipped)
+
+    def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int) -> Tensor:
         self.steps_recorded += 1
         self.pending_rejection = False
         if num_parameters > self.parameter_counts.numel():
             grown = torch.zeros(num_parameters, dtype=torch.int32, device=self.device)
             grown[: self.parameter_counts.numel()] = self.parameter_counts
             self.parameter_counts = grown
-        skip = self._false if skipped is None else skipped.to(self.device, torch.bool, non_blocking=True)
-        if grads:
-            flags = self._check(grads, self.device)
-            self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
-            non_finite = flags.any()
+        if not grads:
+            return self._false
+        flags = self._check(grads, self.device)
+        self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
+        return flags.any()
+
+    def _count(self, non_finite: Tensor, step: int, skipped: Tensor | bool | None) -> None:
+        if skipped is None or skipped is False:
+            skip = self._false
+        elif skipped is True:
+            skip = self._true
         else:
-            non_finite = self._false
+            skip = skipped.to(self.device, torch.bool, non_blocking=True)
         events = torch.stack([non_finite & ~skip, skip])
         self.step_counts += events
         self.first_steps.copy_(torch.where(events & (self.first_steps < 0), step, self.first_steps))
@@ -79,6 +113,7 @@ class NonFiniteWindow:
 
     def summary(self) -> Tensor:
         """This rank's window as an int64 vector of ``SUMMARY_SIZE`` on the device (boundary use only)."""
+        self.settle(skipped=False)
         counts = self.parameter_counts
         num = counts.numel()
         reported = torch.full((MAX_REPORTED_PARAMETERS,), -1, dtype=torch.int64, device=self.device)
@@ -109,4 +144,5 @@ class NonFiniteWindow:
         self.last_steps.fill_(-1)
         self.parameter_counts.zero_()
         self.steps_recorded = 0
+        self._pending = None
         self.pending_rejection = pending_rejection

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ckguard.ledger import Ledger
 
@@ -54,7 +56,8 @@ def ledger_state(callback: ModelCheckpoint) -> dict[str, Any]:
 
 
 class FaultyModel(BoringModel):
-    """BoringModel that writes ``value`` into one gradient element on ``fault_ranks`` at ``fault_steps``.
+    """BoringModel that writes ``value`` into one gradient element of ``fault_parameter`` on ``fault_ranks`` at
+    ``fault_steps`` (global steps) and at ``fault_batches`` (batch indices within an epoch, i.e. micro-batches).
 
     The fault is written in ``on_after_backward``, i.e. after DDP's all-reduce, so the other ranks keep finite
     gradients. ``sanitize`` replaces non-finite gradients by zeros right before the optimizer step (after the guard
@@ -77,6 +80,8 @@ class FaultyModel(BoringModel):
         lr: float = 0.1,
         manual_save_dir: str | None = None,
         manual_weights_only: bool = False,
+        fault_batches: Iterable[int] = (),
+        fault_parameter: str = "layer.weight",
     ) -> None:
         super().__init__()
         self.fault_steps = set(fault_steps)
@@ -89,8 +94,15 @@ class FaultyModel(BoringModel):
         self.lr = lr
         self.manual_save_dir = manual_save_dir
         self.manual_weights_only = manual_weights_only
+        self.fault_batches = set(fault_batches)
+        self.fault_parameter = fault_parameter
+        self.batch_idx = -1
         self.snapshots: dict[int, dict[str, Any]] = {}
         self.consolidations = 0  # ZeRO-1 optimizer-state consolidations: the collective checkpoint collection
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.batch_idx = batch_idx
+        return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         out = super().validation_step(batch, batch_idx)
@@ -107,8 +119,9 @@ class FaultyModel(BoringModel):
                 "state": ledger_state(callback),
                 "consolidations": self.consolidations,
             }
-        if step in self.fault_steps and self.global_rank in self.fault_ranks:
-            self.layer.weight.grad[0, 0] = self.value
+        faulty = step in self.fault_steps or self.batch_idx in self.fault_batches
+        if faulty and self.global_rank in self.fault_ranks:
+            self.get_parameter(self.fault_parameter).grad.view(-1)[0] = self.value
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         if self.sanitize:
@@ -134,3 +147,34 @@ class FaultyModel(BoringModel):
 
             return CountingZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class CountingStrategy(SingleDeviceStrategy):
+    """A real single-device strategy that counts the agreement collectives it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(device=torch.device("cpu"))
+        self.all_gathers = 0
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        self.all_gathers += 1
+        return super().all_gather(tensor, group, sync_grads)
+
+
+HOST_READS = ("_local_scalar_dense", "is_nonzero", "nonzero", "equal", "allclose")
+
+
+class CountOps(TorchDispatchMode):
+    """Counts ATen ops by name; ``host_reads`` counts the ones that copy a value to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def host_reads(self) -> int:
+        return sum(1 for n in self.names if n.split(".")[0] in HOST_READS)

@@ -10,9 +10,8 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from helpers import QUIET, FaultyModel, ledger_state, tree_digest
+from helpers import QUIET, CountingStrategy, FaultyModel, ledger_state, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 
 EPOCHS = dict(max_epochs=4, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0)
@@ -80,18 +79,6 @@ def test_finite_runs_match_model_checkpoint(config, tmp_path):
         assert step_o == step_t
         assert all(torch.equal(weights_o[k], weights_t[k]) for k in weights_t)
         assert states_o == states_t
-
-
-class CountingStrategy(SingleDeviceStrategy):
-    """A real single-device strategy that counts the agreement collectives it is asked for."""
-
-    def __init__(self) -> None:
-        super().__init__(device=torch.device("cpu"))
-        self.all_gathers = 0
-
-    def all_gather(self, tensor, group=None, sync_grads=False):
-        self.all_gathers += 1
-        return super().all_gather(tensor, group, sync_grads)
 
 
 @pytest.mark.parametrize("save_last", [True, "link"])

@@ -136,3 +136,27 @@ def test_manual_save_is_agreed_before_any_checkpoint_collection(ranks, optimizer
         assert result["consolidations"] == result["snapshots"]["3"]["consolidations"], f"rank {rank}"
     rank0 = ranks[0][f"{optimizer}-manual-reject"]
     assert set(rank0["tree"]) == {"manual-0.ckpt"} and rank0["tree"] == rank0["snapshots"]["3"]["tree"]
+
+
+def test_nan_in_a_no_sync_micro_batch_on_one_rank_is_rejected_on_every_rank(ranks):
+    # rank 1's NaN stays local under no_sync, then the last micro-batch's all-reduce carries it to both ranks
+    errors = [results["ddp-accumulate-reject"]["error"] for results in ranks]
+    expected = {**EXPECTED_REJECTION, "ranks": [0, 1], "first_step": 2, "last_step": 2, "global_step": 4}
+    assert errors == [expected, expected]
+    for results in ranks:
+        result = results["ddp-accumulate-reject"]
+        assert result["state"] == result["snapshots"]["2"]["state"]
+    rank0 = ranks[0]["ddp-accumulate-reject"]
+    assert set(rank0["tree"]) == {"epoch=0-step=2.ckpt"} and rank0["tree"] == rank0["snapshots"]["2"]["tree"]
+
+
+def test_ema_best_boundary_is_guarded_on_every_rank(ranks):
+    for rank, results in enumerate(ranks):
+        result = results["ddp-ema_best-reject"]
+        assert result["error"] == EXPECTED_REJECTION, f"rank {rank}: {result['error']}"
+        assert result["state"] == result["snapshots"]["5"]["state"]
+        assert results["ddp-ema_best-finite"]["error"] is None
+    rank0 = ranks[0]["ddp-ema_best-reject"]
+    assert rank0["tree"] == rank0["snapshots"]["5"]["tree"]
+    assert set(rank0["tree"]) == {"epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"}
+    assert set(ranks[0]["ddp-ema_best-finite"]["tree"]) == {"epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"}

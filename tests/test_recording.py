@@ -6,29 +6,10 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import QUIET, FaultyModel
+from helpers import HOST_READS, QUIET, CountOps, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint, GradientGuard
 from lightning_ckguard.finiteness import NonFiniteCheck
-
-HOST_READS = ("_local_scalar_dense", "is_nonzero", "nonzero", "equal", "allclose")
-
-
-class CountOps(TorchDispatchMode):
-    """Counts ATen ops by name; ``host_reads`` counts the ones that copy a value to the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def host_reads(self) -> int:
-        return sum(1 for n in self.names if n.split(".")[0] in HOST_READS)
 
 
 def _model() -> torch.nn.Module:

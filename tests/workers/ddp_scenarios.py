@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from helpers import QUIET, FaultyModel, ledger_state, tree_digest  # noqa: E402
@@ -45,12 +45,17 @@ UNSELECTED_THEN_SELECTED = (
 )
 # the callback itself never writes; user code saves by hand at every epoch end
 MANUAL = (dict(every_n_epochs=100), dict(max_epochs=3, limit_train_batches=2, limit_val_batches=0), {})
+# two micro-batches per optimizer step: DDP runs the first one under no_sync, so its gradient is local to its rank
+ACCUMULATE = (dict(every_n_train_steps=2, save_top_k=-1),
+              dict(max_steps=4, accumulate_grad_batches=2, limit_val_batches=0), dict(snapshot_steps=(2,)))
+# validation runs on the EMA weights, so the top-K is chosen by the averaged model ("EMA-best")
+EMA_BEST = (VAL_TOPK[0] | dict(save_last=True), VAL_TOPK[1], VAL_TOPK[2])
 CONFIGS = {"periodic": PERIODIC, "val_topk": VAL_TOPK, "last": LAST_ONLY, "unselected": UNSELECTED_THEN_SELECTED,
-           "manual": MANUAL}
+           "manual": MANUAL, "accumulate": ACCUMULATE, "ema_best": EMA_BEST}
 
 
 def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_steps: tuple[int, ...] = (),
-        on_non_finite: str = "raise") -> dict[str, Any]:
+        on_non_finite: str = "raise", fault_batches: tuple[int, ...] = ()) -> dict[str, Any]:
     callback_kwargs, trainer_kwargs, model_kwargs = CONFIGS[config]
     seed_everything(7)
     dirpath = os.path.join(root, name)
@@ -61,9 +66,11 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
         callback = ModelCheckpoint(dirpath=dirpath, **callback_kwargs)
     if config == "manual":
         model_kwargs = dict(model_kwargs, manual_save_dir=dirpath)
-    model = FaultyModel(fault_steps=fault_steps, fault_ranks=(1,), zero1=zero1, **model_kwargs)
+    model = FaultyModel(fault_steps=fault_steps, fault_batches=fault_batches, fault_ranks=(1,), zero1=zero1,
+                        **model_kwargs)
+    callbacks = [EMAWeightAveraging(decay=0.5), callback] if config == "ema_best" else [callback]
     trainer = Trainer(
-        strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2, callbacks=[callback], **QUIET, **trainer_kwargs
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2, callbacks=callbacks, **QUIET, **trainer_kwargs
     )
     result: dict[str, Any] = {"error": None}
     try:
@@ -116,6 +123,11 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
             root, n, "manual", z, True, (3,))
         table[f"{opt}-unselected-reject"] = lambda root, n=f"{opt}-unselected-reject", z=zero1: run(
             root, n, "unselected", z, True, (3,))
+    # batch 4 is the first micro-batch of optimizer step 2, run under no_sync on rank 1 only
+    table["ddp-accumulate-reject"] = lambda root: run(root, "ddp-accumulate-reject", "accumulate", False, True,
+                                                      fault_batches=(4,))
+    table["ddp-ema_best-reject"] = lambda root: run(root, "ddp-ema_best-reject", "ema_best", False, True, (5,))
+    table["ddp-ema_best-finite"] = lambda root: run(root, "ddp-ema_best-finite", "ema_best", False, True)
     table["process-group-guard"] = guard_without_trainer
     return table
 
