@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_ckguard import window as w
 from lightning_ckguard.errors import NonFiniteGradientError
+from lightning_ckguard.report import BoundaryReport
 
 
 @dataclass(frozen=True)
@@ -120,16 +121,7 @@ class Verdict:
         """The error every rank raises for a rejected boundary."""
         if self.accepted:
             raise ValueError("An accepted verdict has no error.")
-        return NonFiniteGradientError(
-            ranks=self.ranks,
-            first_step=self.first_step,
-            last_step=self.last_step,
-            num_steps=self.num_steps,
-            global_step=self.global_step,
-            parameters=self.parameters,
-            skipped_steps=self.skipped_steps,
-            pending_rejection=any(r.pending_rejection for r in self.reports),
-        )
+        return BoundaryReport.from_verdict(self, boundary="agreement").to_error()
 
 
 def reach_verdict(

@@ -29,6 +29,7 @@ from lightning_ckguard.agreement import Verdict
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.publication import BoundaryPublication
+from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.seal import PublicationSeal
 from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.sources import gradient_source_for
@@ -117,11 +118,19 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         self._rejection: NonFiniteGradientError | None = None
         self._trainer: pl.Trainer | None = None
         self._last_verdict: Verdict | None = None
+        self._last_report: BoundaryReport | None = None
+        self._counts = {"accepted": 0, "rejected": 0}
 
     @property
     def rejection(self) -> NonFiniteGradientError | None:
         """The error of the rejection that sealed this run, if any. While set, nothing is published."""
         return self._rejection
+
+    @property
+    def last_report(self) -> BoundaryReport | None:
+        """What the most recent agreement (boundary or manual save) decided, as a readable immutable value; the
+        same on every rank. ``str(report.message)`` is the line the callback warns with."""
+        return self._last_report
 
     @property
     def last_verdict(self) -> Verdict | None:
@@ -191,9 +200,9 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         if not proposal.publishes:
             proposal.adopt(self)  # bookkeeping and log lines only (deferrals, timers), exactly as ModelCheckpoint
             return
-        verdict = self._agree(trainer)
+        verdict = self._agree(trainer, name)
         if not verdict.accepted:
-            self._reject(trainer, verdict, name, during_exception)
+            self._reject(trainer, name, during_exception)
             return
         remove = partial(ModelCheckpoint._remove_checkpoint, self, trainer)
         self._publication.publish(self, hook, rollback_to=proposal.before, remove=remove)
@@ -201,30 +210,46 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         log.debug("FiniteGradCheckpoint published at %s, global step %d: %s", name, trainer.global_step, verdict.reason)
         self._guard.reset()
 
-    def _agree(self, trainer: pl.Trainer) -> Verdict:
+    def _agree(self, trainer: pl.Trainer, boundary: str) -> Verdict:
         if self._guard is None:  # not fitting: nothing was recorded, but every rank still meets here
             self._guard = GradientGuard(trainer.lightning_module, device=trainer.strategy.root_device)
         verdict = self._guard.agree(trainer.strategy, global_step=trainer.global_step)
-        self._last_verdict = verdict
-        if verdict.skipped_steps and verdict.accepted:
-            rank_zero_info(f"FiniteGradCheckpoint at global step {trainer.global_step}: {verdict.reason}.")
+        report = BoundaryReport.from_verdict(verdict, boundary)
+        self._last_verdict, self._last_report = verdict, report
+        self._counts["accepted" if verdict.accepted else "rejected"] += 1
+        self._log_metrics(trainer, report)
+        if report.accepted and report.skipped_steps:
+            rank_zero_info(report.message)
         return verdict
 
-    def _reject(self, trainer: pl.Trainer, verdict: Verdict, boundary: str, during_exception: bool) -> None:
-        error = verdict.to_error()
+    def _log_metrics(self, trainer: pl.Trainer, report: BoundaryReport) -> None:
+        # plain Python numbers from the verdict: no device read, no collective; loggers write on rank zero only
+        metrics = {
+            "ckguard/accepted": float(self._counts["accepted"]),
+            "ckguard/rejected": float(self._counts["rejected"]),
+            "ckguard/non_finite_steps": float(report.num_steps),
+            "ckguard/skipped_steps": float(report.skipped_steps),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _reject(self, trainer: pl.Trainer, boundary: str, during_exception: bool) -> None:
+        assert self._last_report is not None
+        report = self._last_report
+        error = report.to_error()
         if during_exception:
             self._rejection = error
-            rank_zero_warn(f"FiniteGradCheckpoint did not save on exception ({boundary}). {error}")
+            rank_zero_warn(f"{report.message} Nothing was saved on exception.")
             return
         if self.on_non_finite == "skip":
             assert self._guard is not None
             self._guard.reset(pending_rejection=True)
-            rank_zero_warn(f"FiniteGradCheckpoint skipped the checkpoint at {boundary}. {error}")
+            rank_zero_warn(f"{report.message} Skipped; training continues with a fresh window.")
             return
         self._rejection = error
         if self.on_non_finite == "stop":
             trainer.should_stop = True
-            rank_zero_warn(f"FiniteGradCheckpoint stopped training at {boundary}. {error}")
+            rank_zero_warn(f"{report.message} Stopping training.")
             return
         raise error
 
@@ -248,13 +273,13 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             return True
         running = trainer.state.stage is not None
         if self._rejection is None:
-            verdict = self._agree(trainer)
+            verdict = self._agree(trainer, f"a save to {filepath}")
             if verdict.accepted:
                 assert self._guard is not None
                 self._guard.reset()
                 return True
             if running and not trainer.interrupted:
-                self._reject(trainer, verdict, f"a save to {filepath}", during_exception=False)
+                self._reject(trainer, f"a save to {filepath}", during_exception=False)
                 return False  # "skip" or "stop": the write is skipped
             self._rejection = verdict.to_error()
         if running:

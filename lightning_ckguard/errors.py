@@ -5,12 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-
-def _describe_steps(first_step: int, last_step: int, num_steps: int) -> str:
-    plural = "step" if num_steps == 1 else "steps"
-    if first_step == last_step:
-        return f"{num_steps} optimizer {plural} (step {first_step})"
-    return f"{num_steps} optimizer {plural} (steps {first_step} to {last_step})"
+from lightning_ckguard.report import rejection_text
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -53,34 +48,15 @@ class NonFiniteGradientError(RuntimeError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
-        ranks = ", ".join(str(r) for r in self.ranks)
-        if self.num_steps > 0:
-            cause = (
-                f"non-finite gradients were recorded on {rank_word} {ranks} in "
-                f"{_describe_steps(self.first_step, self.last_step, self.num_steps)} since the last published "
-                "checkpoint"
-            )
-        elif self.skipped_steps > 0:
-            cause = (
-                f"{self.skipped_steps} optimizer step(s) with non-finite gradients were skipped by the loss scaler on "
-                f"{rank_word} {ranks} (steps {self.first_step} to {self.last_step}) and `count_skipped_steps=True`"
-            )
-        else:
-            cause = (
-                f"the previous boundary on {rank_word} {ranks} was rejected and no optimizer step has run since, "
-                "so the weights are still the rejected ones"
-            )
-        text = f"Refusing to publish a checkpoint at global step {self.global_step}: {cause}."
-        if self.parameters:
-            text += f" Offending parameters: {', '.join(self.parameters)}."
-        if self.skipped_steps and self.num_steps:
-            text += f" Another {self.skipped_steps} step(s) were skipped by the loss scaler and never applied."
-        text += (
-            " Nothing was written, deleted or linked for this boundary; the checkpoints already on disk are the "
-            "last good ones."
+        return rejection_text(
+            ranks=self.ranks,
+            first_step=self.first_step,
+            last_step=self.last_step,
+            num_steps=self.num_steps,
+            global_step=self.global_step,
+            parameters=self.parameters,
+            skipped_steps=self.skipped_steps,
         )
-        return text
 
     def fields(self) -> dict[str, Any]:
         """The error's fields as plain values, e.g. to compare the error across ranks or to log it."""

@@ -67,6 +67,9 @@ def test_rank1_only_nan_is_rejected_on_every_rank_and_changes_nothing(ranks, opt
         # the agreement came first: the rejected boundary never started ZeRO-1's optimizer-state consolidation
         assert result["consolidations"] == before["consolidations"], f"rank {rank}: consolidated after the fault"
     rank0 = ranks[0][name]
+    # the readable report of the rejected boundary is the same value on every rank
+    assert ranks[1][name]["report"] == rank0["report"]
+    assert (rank0["report"]["accepted"], rank0["report"]["ranks"]) == (False, [1])
     assert rank0["tree"] == rank0["snapshots"]["5"]["tree"], "checkpoint directory changed"
     assert rank0["tree"], "the finite boundaries before the fault should have saved"
     if optimizer == "zero1":

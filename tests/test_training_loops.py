@@ -171,7 +171,7 @@ class ManualModel(LightningModule):
         if not isinstance(optimizers, list):
             optimizers = [optimizers]
         modules = [("generator", self.generator), ("critic", self.critic)][: len(optimizers)]
-        for (name, module), optimizer in zip(modules, optimizers):
+        for (name, module), optimizer in zip(modules, optimizers, strict=True):
             optimizer.zero_grad()
             self.manual_backward(module(batch).pow(2).mean())
             if (batch_idx, name) in self.faults:

@@ -7,6 +7,7 @@ fails through the 60 s collective timeout; the test adds its own wall-clock time
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -86,6 +87,8 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
         global_step=trainer.global_step,
         consolidations=model.consolidations,
         should_stop=trainer.should_stop,
+        report=dataclasses.asdict(callback.last_report) if isinstance(callback, FiniteGradCheckpoint)
+        and callback.last_report is not None else None,
     )
     return result
 
