@@ -4,6 +4,7 @@ Public API:
 
 - :class:`FiniteGradCheckpoint`: drop-in ``ModelCheckpoint`` that agrees across ranks before any write.
 - :class:`NonFiniteGradientError`: raised on every rank when a boundary is rejected.
+- :class:`CheckpointWriteError`: raised on the other ranks when one rank failed to write an accepted checkpoint.
 - :class:`BoundaryReport`: what the last boundary decided, readable (``FiniteGradCheckpoint.last_report``).
 - :class:`GradientGuard` and :class:`Verdict`: the recording and agreement core, usable without a Trainer.
 - :func:`scaler_skip_flag`: whether a ``GradScaler`` will skip the coming step, as a device tensor.
@@ -11,7 +12,7 @@ Public API:
 
 from lightning_ckguard.agreement import RankReport, Verdict
 from lightning_ckguard.callback import FiniteGradCheckpoint
-from lightning_ckguard.errors import NonFiniteGradientError
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.skips import scaler_skip_flag
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BoundaryReport",
+    "CheckpointWriteError",
     "FiniteGradCheckpoint",
     "GradientGuard",
     "GradientSource",

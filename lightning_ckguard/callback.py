@@ -140,6 +140,14 @@ class FiniteGradCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ setup and recording
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not isinstance(trainer, pl.Trainer):
+            # the `pytorch_lightning` package is a separate copy of the same classes: its Trainer would not treat
+            # this callback as a ModelCheckpoint (and would add its own), so refuse it instead of half-working
+            raise TypeError(
+                "FiniteGradCheckpoint is a `lightning.pytorch` callback and needs a `lightning.pytorch.Trainer`, got "
+                f"`{type(trainer).__module__}.{type(trainer).__qualname__}`. Import the Trainer (and your "
+                "LightningModule) from `lightning.pytorch`."
+            )
         super().setup(trainer, pl_module, stage)
         self._trainer = trainer
         PublicationSeal.install(trainer, self)

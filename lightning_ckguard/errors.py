@@ -78,3 +78,33 @@ class NonFiniteGradientError(RuntimeError):
 
 def _rebuild_error(fields: dict[str, Any]) -> NonFiniteGradientError:
     return NonFiniteGradientError(**fields)
+
+
+class CheckpointWriteError(RuntimeError):
+    """Raised on the ranks whose own write succeeded when another rank failed to write a checkpoint.
+
+    The failing ranks raise their original error (e.g. ``OSError: No space left on device``). Either way, every rank
+    raises at the same point, the callback's bookkeeping rolls back, and the checkpoint it would have evicted stays.
+
+    Attributes:
+        ranks: Ranks whose write failed.
+        filepath: The checkpoint being written.
+        cause: The first failing rank's error, as text.
+    """
+
+    def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None) -> None:
+        self.ranks: tuple[int, ...] = tuple(ranks)
+        self.filepath = filepath
+        self.cause = cause
+        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
+        super().__init__(
+            f"Writing the checkpoint {filepath} failed on {rank_word} {', '.join(map(str, self.ranks))}: {cause}. "
+            "Nothing was published for it on any rank."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_write_error, (self.ranks, self.filepath, self.cause))
+
+
+def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None) -> CheckpointWriteError:
+    return CheckpointWriteError(ranks=ranks, filepath=filepath, cause=cause)

@@ -30,11 +30,23 @@ from lightning_ckguard.sources import GradientSource, ParameterGradients
 from lightning_ckguard.window import NonFiniteWindow
 
 
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The user's own module inside Fabric's and DDP's wrappers, so reports use its parameter names."""
+    while True:
+        kind = type(module).__name__
+        inner = getattr(module, "module", None)
+        if kind in ("_FabricModule", "DistributedDataParallel") and isinstance(inner, nn.Module):
+            module = inner
+        else:
+            return module
+
+
 class GradientGuard:
     """Records gradient finiteness per optimizer step and agrees on it across ranks at checkpoint boundaries.
 
     Args:
-        module: The model whose parameters are watched. Parameter names come from ``module.named_parameters()``.
+        module: The model whose parameters are watched. Parameter names come from ``module.named_parameters()``;
+            Fabric's and DDP's wrappers are looked through, so names are those of your own module.
         count_skipped_steps: Whether steps a loss scaler skipped (never applied) reject a boundary.
         source: Where local gradients are read; defaults to ``param.grad`` of ``module``.
         device: Device of the window's state; defaults to the device of ``module``'s first parameter.
@@ -48,6 +60,7 @@ class GradientGuard:
         source: GradientSource | None = None,
         device: torch.device | None = None,
     ) -> None:
+        module = unwrap_module(module)
         if device is None:
             first = next(module.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")

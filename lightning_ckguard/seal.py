@@ -13,6 +13,10 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+
+from lightning_ckguard.errors import CheckpointWriteError
+
 
 class SaveAdmission(Protocol):
     """A guard that decides, identically on every rank, whether a checkpoint write may happen."""
@@ -45,4 +49,54 @@ class PublicationSeal:
     def __call__(self, filepath: Any, weights_only: bool | None = None, storage_options: Any | None = None) -> None:
         admitted = [guard.admit_save(self._trainer, str(filepath)) for guard in self._guards]
         if all(admitted):
+            self._save_and_agree_on_failure(filepath, weights_only, storage_options)
+
+    def _save_and_agree_on_failure(self, filepath: Any, weights_only: bool | None, storage_options: Any) -> None:
+        """Write, and make a failure on any rank an error on every rank.
+
+        Under DDP only rank 0 writes. If its write raised straight away, rank 0 would leave while its peers wait in
+        Lightning's post-save barrier, and they would only learn of it from a timeout. Instead the failure is held
+        until this rank has reached that barrier too, then every rank learns which ranks failed and raises.
+        """
+        strategy = self._trainer.strategy
+        failure: Exception | None = None
+        write = strategy.save_checkpoint
+
+        def write_holding_failure(*args: Any, **kwargs: Any) -> None:
+            nonlocal failure
+            try:
+                write(*args, **kwargs)
+            except Exception as error:
+                failure = error
+
+        shadowed = "save_checkpoint" in vars(strategy)
+        strategy.save_checkpoint = write_holding_failure
+        try:
             self._save_checkpoint(filepath, weights_only=weights_only, storage_options=storage_options)
+        finally:
+            if shadowed:
+                strategy.save_checkpoint = write
+            else:
+                del strategy.save_checkpoint
+        agree_on_write(strategy, failure, str(filepath))
+
+
+def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> None:
+    """Raise on every rank if the write of ``filepath`` failed on any rank; a no-op collective-free path on one.
+
+    The failing ranks re-raise their own error; the others raise :class:`CheckpointWriteError` naming the first
+    failing rank and its error.
+    """
+    if getattr(strategy, "world_size", 1) <= 1:
+        if failure is not None:
+            raise failure
+        return
+    flag = torch.tensor([int(failure is not None)], device=strategy.root_device)
+    failed = [rank for rank, bad in enumerate(strategy.all_gather(flag).view(-1).tolist()) if bad]
+    if not failed:
+        return
+    description = f"{type(failure).__name__}: {failure}" if failure is not None else None
+    description = strategy.broadcast(description, src=failed[0])
+    if failure is not None:
+        raise failure
+    raise CheckpointWriteError(ranks=failed, filepath=filepath, cause=description)

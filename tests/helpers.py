@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -178,3 +179,15 @@ class CountOps(TorchDispatchMode):
     @property
     def host_reads(self) -> int:
         return sum(1 for n in self.names if n.split(".")[0] in HOST_READS)
+
+
+class FailingIO(TorchCheckpointIO):
+    """Real torch checkpoint IO that fails like a full disk for paths containing ``fail_on``."""
+
+    def __init__(self, fail_on: str) -> None:
+        self.fail_on = fail_on
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if self.fail_on in os.path.basename(str(path)):
+            raise OSError(28, "No space left on device", str(path))
+        super().save_checkpoint(checkpoint, path, storage_options)

@@ -122,7 +122,8 @@ def test_unselected_validation_boundary_does_not_consume_the_window(ranks, optim
         assert result["error"] == {**EXPECTED_REJECTION, "first_step": 3, "last_step": 3}
         assert result["state"] == result["snapshots"]["3"]["state"]
     rank0 = ranks[0][f"{optimizer}-unselected-reject"]
-    assert rank0["tree"] == rank0["snapshots"]["3"]["tree"] and set(rank0["tree"]) == {"epoch=0-step=2.ckpt"}
+    assert rank0["tree"] == rank0["snapshots"]["3"]["tree"]
+    assert "epoch=0-step=2.ckpt" in rank0["tree"]  # the file it would have evicted stays
 
 
 def test_guard_on_a_raw_process_group_reaches_the_same_verdict(ranks):
@@ -163,3 +164,17 @@ def test_ema_best_boundary_is_guarded_on_every_rank(ranks):
     assert rank0["tree"] == rank0["snapshots"]["5"]["tree"]
     assert set(rank0["tree"]) == {"epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"}
     assert set(ranks[0]["ddp-ema_best-finite"]["tree"]) == {"epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"}
+
+
+def test_a_write_failing_on_rank_0_raises_on_every_rank_and_rolls_back(ranks):
+    # rank 0 alone writes under DDP; its full disk must not leave rank 1 waiting in the post-save barrier
+    errors = [results["ddp-val_topk-write-fails"]["error"] for results in ranks]
+    assert errors[0]["type"] == "OSError" and "No space left" in errors[0]["message"]
+    assert errors[1]["type"] == "CheckpointWriteError"
+    assert "failed on rank 0" in errors[1]["message"] and "No space left" in errors[1]["message"]
+    for rank, results in enumerate(ranks):
+        result = results["ddp-val_topk-write-fails"]
+        assert result["state"] == result["snapshots"]["3"]["state"], f"rank {rank}: the ledger did not roll back"
+    rank0 = ranks[0]["ddp-val_topk-write-fails"]
+    assert rank0["tree"] == rank0["snapshots"]["3"]["tree"]
+    assert "epoch=0-step=2.ckpt" in rank0["tree"]  # the file it would have evicted stays

@@ -7,24 +7,11 @@ import os
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from helpers import QUIET, FaultyModel, ledger_state, tree_digest
+from helpers import QUIET, FailingIO, FaultyModel, ledger_state, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
 
 EPOCHS = dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
-
-
-class FailingIO(TorchCheckpointIO):
-    """Real torch checkpoint IO that fails like a full disk for paths containing ``fail_on``."""
-
-    def __init__(self, fail_on: str) -> None:
-        self.fail_on = fail_on
-
-    def save_checkpoint(self, checkpoint, path, storage_options=None):
-        if self.fail_on in os.path.basename(str(path)):
-            raise OSError(28, "No space left on device", str(path))
-        super().save_checkpoint(checkpoint, path, storage_options)
 
 
 def test_checkpoint_state_lists_the_file_being_written(tmp_path):

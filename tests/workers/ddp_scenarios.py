@@ -24,8 +24,8 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-from helpers import QUIET, FaultyModel, ledger_state, tree_digest  # noqa: E402
-from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
+from helpers import QUIET, FailingIO, FaultyModel, ledger_state, tree_digest  # noqa: E402
+from lightning_ckguard import CheckpointWriteError, FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -51,12 +51,16 @@ ACCUMULATE = (dict(every_n_train_steps=2, save_top_k=-1),
               dict(max_steps=4, accumulate_grad_batches=2, limit_val_batches=0), dict(snapshot_steps=(2,)))
 # validation runs on the EMA weights, so the top-K is chosen by the averaged model ("EMA-best")
 EMA_BEST = (VAL_TOPK[0] | dict(save_last=True), VAL_TOPK[1], VAL_TOPK[2])
-CONFIGS = {"periodic": PERIODIC, "val_topk": VAL_TOPK, "last": LAST_ONLY, "unselected": UNSELECTED_THEN_SELECTED,
-           "manual": MANUAL, "accumulate": ACCUMULATE, "ema_best": EMA_BEST}
+# epoch 1 improves: it writes the top-1 file, evicts epoch 0's and moves `last`
+TOP1_LAST = (dict(monitor="val_loss", save_top_k=1, save_last=True), VAL_TOPK[1],
+             dict(val_losses=[10.0, 9.0, 8.0, 7.0], snapshot_steps=(3,)))
+CONFIGS = {"periodic": PERIODIC, "top1_last": TOP1_LAST, "val_topk": VAL_TOPK, "last": LAST_ONLY,
+           "unselected": UNSELECTED_THEN_SELECTED, "manual": MANUAL, "accumulate": ACCUMULATE, "ema_best": EMA_BEST}
 
 
 def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_steps: tuple[int, ...] = (),
-        on_non_finite: str = "raise", fault_batches: tuple[int, ...] = ()) -> dict[str, Any]:
+        on_non_finite: str = "raise", fault_batches: tuple[int, ...] = (), fail_write: str | None = None
+        ) -> dict[str, Any]:
     callback_kwargs, trainer_kwargs, model_kwargs = CONFIGS[config]
     seed_everything(7)
     dirpath = os.path.join(root, name)
@@ -70,14 +74,19 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
     model = FaultyModel(fault_steps=fault_steps, fault_batches=fault_batches, fault_ranks=(1,), zero1=zero1,
                         **model_kwargs)
     callbacks = [EMAWeightAveraging(decay=0.5), callback] if config == "ema_best" else [callback]
+    # under DDP only rank 0 writes, so a full disk there is the failure its peers cannot see
+    plugins = [FailingIO(fail_on=fail_write)] if fail_write else None
     trainer = Trainer(
-        strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2, callbacks=callbacks, **QUIET, **trainer_kwargs
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2, callbacks=callbacks, plugins=plugins, **QUIET,
+        **trainer_kwargs
     )
     result: dict[str, Any] = {"error": None}
     try:
         trainer.fit(model)
     except NonFiniteGradientError as error:
         result["error"] = error.fields()
+    except (OSError, CheckpointWriteError) as error:
+        result["error"] = {"type": type(error).__name__, "message": str(error)}
     except Exception as error:  # reported, so the test shows what went wrong on which rank
         result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
     result.update(
@@ -131,6 +140,9 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
                                                       fault_batches=(4,))
     table["ddp-ema_best-reject"] = lambda root: run(root, "ddp-ema_best-reject", "ema_best", False, True, (5,))
     table["ddp-ema_best-finite"] = lambda root: run(root, "ddp-ema_best-finite", "ema_best", False, True)
+    # rank 0's disk is full for epoch 1's top-1 file
+    table["ddp-val_topk-write-fails"] = lambda root: run(root, "ddp-val_topk-write-fails", "top1_last", False, True,
+                                                         fail_write="epoch=1")
     table["process-group-guard"] = guard_without_trainer
     return table
 

@@ -1,0 +1,185 @@
+"""``FiniteGradCheckpoint`` from ``LightningCLI``: YAML configs and ``--trainer.callbacks+=``, checked by jsonargparse.
+
+Every run is a real ``LightningCLI`` (``fit`` subcommand) in this process, on CPU, with ``helpers.FaultyModel`` chosen
+by class path so a NaN can be planted from the config. What is asserted is what a CLI user sees: the checkpoint files
+on disk, the callback the Trainer got, the config the CLI saved, and the CLI's error for an invalid value.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from conftest import TESTS
+from helpers import QUIET
+from lightning_ckguard import FiniteGradCheckpoint
+
+BORING = "--model=lightning.pytorch.demos.boring_classes.BoringModel"
+CONFIG = os.path.join(TESTS, "data", "cli_config.yaml")
+ALL_ARGUMENTS = os.path.join(TESTS, "data", "cli_all_arguments.yaml")
+
+GUARD = "lightning_ckguard.FiniteGradCheckpoint"
+QUIET_ARGS = [
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=1",
+    "--trainer.logger=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.limit_val_batches=0",
+]
+
+
+@pytest.fixture(autouse=True)
+def command_line(monkeypatch):
+    # the CLI is given its arguments explicitly; pytest's own must not look like a second command line
+    monkeypatch.setattr(sys, "argv", ["cli"])
+
+
+def cli(args: list[str], run: bool = True) -> LightningCLI:
+    # subclass mode: the model is chosen by class path (helpers.FaultyModel), as a user's config would
+    return LightningCLI(BoringModel, subclass_mode_model=True, args=args, run=run)
+
+
+def guard_of(cli_: LightningCLI) -> FiniteGradCheckpoint:
+    guards = [c for c in cli_.trainer.callbacks if isinstance(c, FiniteGradCheckpoint)]
+    assert len(guards) == 1, cli_.trainer.callbacks
+    return guards[0]
+
+
+def saved_callback_args(root: Path) -> dict[str, Any]:
+    """The init_args of our callback in the config.yaml that LightningCLI's SaveConfigCallback wrote."""
+    config = yaml.safe_load((root / "config.yaml").read_text())
+    (entry,) = [c for c in config["trainer"]["callbacks"] if c["class_path"] == GUARD]
+    return entry["init_args"]
+
+
+def test_yaml_config_builds_the_callback_and_its_policy_applies(tmp_path):
+    result = cli(["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}"])
+    guard = guard_of(result)
+    assert guard.on_non_finite == "skip" and guard.count_skipped_steps is True
+    # the NaN at step 3 made the boundary at step 4 publish nothing ("skip"); training went on and step 6 published
+    assert result.trainer.global_step == 6
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step=2.ckpt", "step=6.ckpt"]
+    assert guard.last_verdict is not None and guard.last_verdict.accepted
+    assert guard.last_verdict.count_skipped_steps is True  # the value reached the agreement, not just the attribute
+    assert guard.rejection is None
+    saved = saved_callback_args(tmp_path)
+    assert saved["on_non_finite"] == "skip" and saved["count_skipped_steps"] is True
+    assert saved["every_n_train_steps"] == 2 and saved["save_top_k"] == -1
+
+
+def test_callbacks_append_from_the_command_line(tmp_path):
+    result = cli([
+        "fit",
+        *QUIET_ARGS,
+        "--trainer.max_steps=8",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.callbacks+={GUARD}",
+        "--trainer.callbacks.every_n_train_steps=2",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.filename={step}",
+        "--trainer.callbacks.on_non_finite=stop",
+        "--model=helpers.FaultyModel",
+        "--model.fault_steps=[3]",
+    ])
+    guard = guard_of(result)
+    assert guard.on_non_finite == "stop" and guard.count_skipped_steps is False
+    # "stop": the boundary at step 4 publishes nothing and fit() returns normally
+    assert result.trainer.should_stop and result.trainer.global_step == 4
+    assert os.listdir(tmp_path / "checkpoints") == ["step=2.ckpt"]
+    assert guard.rejection is not None and guard.rejection.fields()["first_step"] == 3
+    assert saved_callback_args(tmp_path)["on_non_finite"] == "stop"
+
+
+def test_every_argument_is_typed_and_reaches_the_callback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    guard = guard_of(cli(["--config", ALL_ARGUMENTS, BORING], run=False))
+    assert guard.dirpath == os.path.realpath("checkpoints/guarded")
+    assert (guard.filename, guard.monitor, guard.verbose) == ("{epoch}-{step}", "val_loss", True)
+    assert (guard.save_last, guard.save_top_k, guard.save_on_exception) == ("link", 3, True)
+    assert (guard.save_weights_only, guard.mode, guard.auto_insert_metric_name) == (True, "max", False)
+    assert guard._train_time_interval == timedelta(seconds=30)
+    assert (guard._save_on_train_epoch_end, guard._enable_version_counter) == (False, False)
+    assert (guard.on_non_finite, guard.count_skipped_steps) == ("stop", True)
+    # the frequencies are mutually exclusive in ModelCheckpoint: the other two, one at a time
+    for key, attribute in (("every_n_epochs", "_every_n_epochs"), ("every_n_train_steps", "_every_n_train_steps")):
+        override = ["--trainer.callbacks.train_time_interval=null", f"--trainer.callbacks.{key}=5"]
+        assert getattr(guard_of(cli(["--config", ALL_ARGUMENTS, BORING, *override], run=False)), attribute) == 5
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "expected"),
+    [
+        ("on_non_finite", "explode", "Literal['raise', 'skip', 'stop']"),
+        ("count_skipped_steps", "maybe", "Expected a <class 'bool'>"),
+        ("save_last", "sometimes", "Literal['link']"),
+        ("save_top_k", "three", "Expected a <class 'int'>"),
+        ("every_n_train_steps", "often", "Expected a <class 'int'>"),
+        ("train_time_interval", "soon", "timedelta"),
+    ],
+)
+def test_invalid_values_are_rejected_by_the_cli(tmp_path, capsys, argument, value, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path}",
+             f"--trainer.callbacks.{argument}={value}"])
+    assert exit_info.value.code != 0
+    error = capsys.readouterr().err
+    assert f'Parser key "{argument}"' in error and value in error and expected in error, error[-3000:]
+    assert not os.listdir(tmp_path), "nothing may run, and nothing be written, for an invalid config"
+
+
+def test_invalid_policy_in_a_yaml_file_is_rejected(tmp_path, capsys):
+    config = yaml.safe_load(Path(CONFIG).read_text())
+    config["trainer"]["callbacks"][0]["init_args"]["on_non_finite"] = "explode"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["fit", "--config", str(path), f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert exit_info.value.code != 0
+    error = capsys.readouterr().err
+    assert 'Parser key "on_non_finite"' in error and "explode" in error, error[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------- namespaces
+# Only the `lightning` namespace (`lightning.pytorch`, `import lightning as L`) is supported. `pytorch_lightning`
+# (installed alongside, since `lightning` depends on it) is a separate copy of the same classes, so its Trainer's
+# isinstance checks do not see FiniteGradCheckpoint as a ModelCheckpoint.
+
+
+def test_pytorch_lightning_trainer_does_not_recognise_the_callback(tmp_path):
+    import lightning.pytorch
+    import pytorch_lightning
+
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "guarded")
+    assert isinstance(guard, lightning.pytorch.callbacks.ModelCheckpoint)
+    assert not isinstance(guard, pytorch_lightning.callbacks.ModelCheckpoint)
+    trainer = pytorch_lightning.Trainer(callbacks=[guard], default_root_dir=tmp_path, **QUIET)
+    # the Trainer adds its own plain ModelCheckpoint and treats that one as the checkpoint callback
+    # (`ckpt_path="best"` / `"last"` would resolve through it, not through the guard)
+    assert trainer.checkpoint_callback is not guard
+    assert type(trainer.checkpoint_callback) is pytorch_lightning.callbacks.ModelCheckpoint
+    assert trainer.checkpoint_callbacks == [trainer.checkpoint_callback]
+    # the supported namespace: the guard is the Trainer's checkpoint callback and no plain one is added
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "guarded")
+    trainer = lightning.pytorch.Trainer(callbacks=[guard], default_root_dir=tmp_path, **QUIET)
+    assert trainer.checkpoint_callback is guard and trainer.checkpoint_callbacks == [guard]
+
+
+def test_pytorch_lightning_trainer_is_refused_with_a_clear_error(tmp_path):
+    import pytorch_lightning
+    from pytorch_lightning.demos.boring_classes import BoringModel as PLBoringModel
+
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "guarded", every_n_train_steps=1)
+    trainer = pytorch_lightning.Trainer(callbacks=[guard], default_root_dir=tmp_path, max_steps=2, **QUIET)
+    with pytest.raises(TypeError, match=r"lightning\.pytorch\.Trainer"):
+        trainer.fit(PLBoringModel())
+    assert not (tmp_path / "guarded").exists()
