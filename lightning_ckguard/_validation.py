@@ -34,6 +34,9 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         _check_type(flag, arguments[flag], (bool,), "a bool")
     _check_type("save_on_train_epoch_end", arguments["save_on_train_epoch_end"], (bool,), "a bool or None", True)
     _check_type("dirpath", arguments["dirpath"], (str, os.PathLike), "a path or None", True)
+    dirpath = arguments["dirpath"]
+    if dirpath is not None and os.path.isfile(dirpath):
+        raise ValueError(f"`dirpath` must be a directory, but {os.fspath(dirpath)!r} is an existing file.")
     for text in ("filename", "monitor"):
         _check_type(text, arguments[text], (str,), "a str or None", True)
     _check_type("mode", arguments["mode"], (str,), "'min' or 'max'")

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 NonFinitePolicy = Literal["raise", "skip", "stop"]
 
+#: Version of the callback state this release writes; states without one are ``ModelCheckpoint``'s format (version 1).
+STATE_FORMAT_VERSION = 1
+_FORMAT_KEY = "ckguard_format_version"
+
 
 class FiniteGradCheckpoint(ModelCheckpoint):
     r"""Drop-in replacement for :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that never publishes a
@@ -325,6 +329,25 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
 
     # ------------------------------------------------------------------ resuming
+
+    def state_dict(self) -> dict[str, Any]:
+        """``ModelCheckpoint``'s state, plus the format version of this release."""
+        return {**super().state_dict(), _FORMAT_KEY: STATE_FORMAT_VERSION}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state written by this or an earlier release, or by a plain ``ModelCheckpoint``.
+
+        Raises:
+            ValueError: If the state comes from a newer, unknown format: loading it could silently drop bookkeeping.
+        """
+        version = state_dict.get(_FORMAT_KEY, 1)
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_FORMAT_VERSION:
+            raise ValueError(
+                f"The checkpoint's FiniteGradCheckpoint state has format version {version!r}, but this "
+                f"lightning_ckguard reads versions 1 to {STATE_FORMAT_VERSION}. It was written by a newer release: "
+                "upgrade lightning_ckguard to resume from it."
+            )
+        super().load_state_dict({key: value for key, value in state_dict.items() if key != _FORMAT_KEY})
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

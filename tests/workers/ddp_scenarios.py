@@ -28,6 +28,7 @@ from helpers import QUIET, FailingIO, FaultyModel, ledger_state, tree_digest  # 
 from lightning_ckguard import CheckpointWriteError, FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
 
 warnings.filterwarnings("ignore")
+DEVICES = int(os.environ.get("CKGUARD_TEST_DEVICES", "2"))  # tests/test_four_ranks.py runs a subset on 4
 torch.set_num_threads(1)
 
 # name -> (callback kwargs, trainer kwargs, model kwargs); the fault is added per scenario
@@ -77,8 +78,8 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
     # under DDP only rank 0 writes, so a full disk there is the failure its peers cannot see
     plugins = [FailingIO(fail_on=fail_write)] if fail_write else None
     trainer = Trainer(
-        strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2, callbacks=callbacks, plugins=plugins, **QUIET,
-        **trainer_kwargs
+        strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=DEVICES, callbacks=callbacks, plugins=plugins,
+        **QUIET, **trainer_kwargs
     )
     result: dict[str, Any] = {"error": None}
     try:

@@ -1,0 +1,41 @@
+"""The rank-faulty scenarios past two ranks: four real gloo processes, NaN on rank 1 only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_ranks
+
+SCENARIOS = ["ddp-periodic-reject", "zero1-val_topk-reject", "ddp-periodic-finite"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("four")
+    proc = run_ranks("workers/ddp_scenarios.py", [str(out), *SCENARIOS], timeout=600,
+                     env={"CKGUARD_TEST_DEVICES": "4"})
+    results = []
+    for rank in range(4):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return results
+
+
+@pytest.mark.parametrize("name", ["ddp-periodic-reject", "zero1-val_topk-reject"])
+def test_every_one_of_four_ranks_rejects_with_the_same_error(ranks, name):
+    errors = [results[name]["error"] for results in ranks]
+    assert all(error == errors[0] for error in errors), errors
+    assert errors[0]["ranks"] == [1] and errors[0]["first_step"] == 5
+    for rank, results in enumerate(ranks):
+        assert results[name]["state"] == results[name]["snapshots"]["5"]["state"], f"rank {rank}"
+    rank0 = ranks[0][name]
+    assert rank0["tree"] == rank0["snapshots"]["5"]["tree"] and rank0["tree"]
+
+
+def test_four_finite_ranks_publish(ranks):
+    assert all(results["ddp-periodic-finite"]["error"] is None for results in ranks)
+    assert set(ranks[0]["ddp-periodic-finite"]["tree"]) == {f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)}
