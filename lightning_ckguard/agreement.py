@@ -71,7 +71,7 @@ def evaluate_reports(reports: Sequence[RankReport], count_skipped_steps: bool) -
         return False, f"non-finite gradients recorded on rank(s) {rejecting}"
     skipped = max((r.skipped_steps for r in reports), default=0)
     if skipped:
-        return True, f"finite; {skipped} step(s) skipped by the loss scaler were never applied"
+        return True, f"finite; {skipped} step(s) skipped by the loss scaler or DeepSpeed were never applied"
     return True, "finite"
 
 

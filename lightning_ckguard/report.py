@@ -42,8 +42,8 @@ def rejection_text(
         )
     elif skipped_steps > 0:
         cause = (
-            f"{skipped_steps} optimizer step(s) with non-finite gradients were skipped by the loss scaler on "
-            f"{rank_word} {rank_list} (steps {first_step} to {last_step}) and `count_skipped_steps=True`"
+            f"{skipped_steps} optimizer step(s) with non-finite gradients were skipped by the loss scaler or "
+            f"DeepSpeed on {rank_word} {rank_list} (steps {first_step} to {last_step}) and `count_skipped_steps=True`"
         )
     else:
         cause = (
@@ -54,7 +54,7 @@ def rejection_text(
     if parameters:
         text += f" Offending parameters: {', '.join(parameters)}."
     if skipped_steps and num_steps:
-        text += f" Another {skipped_steps} step(s) were skipped by the loss scaler and never applied."
+        text += f" Another {skipped_steps} step(s) were skipped by the loss scaler or DeepSpeed and never applied."
     return text + (
         " Nothing was written, deleted or linked for this boundary; the checkpoints already on disk are the last "
         "good ones."
@@ -112,7 +112,7 @@ class BoundaryReport:
             return f"FiniteGradCheckpoint rejected the checkpoint at {self.boundary}. {self.to_error()}"
         text = f"FiniteGradCheckpoint accepted the checkpoint at {self.boundary} (global step {self.global_step})"
         if self.skipped_steps:
-            text += f"; {self.skipped_steps} step(s) skipped by the loss scaler were never applied"
+            text += f"; {self.skipped_steps} step(s) skipped by the loss scaler or DeepSpeed were never applied"
         return text + "."
 
     def to_error(self) -> NonFiniteGradientError:

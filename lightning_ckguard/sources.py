@@ -1,7 +1,8 @@
 """Gradient sources: where each rank finds the local gradients that its optimizer is about to apply.
 
-A source is local by contract: reading it issues no collective and no host sync. Strategy-specific sources (sharded
-optimizer partitions, DTensor shards) plug in here; :func:`gradient_source_for` picks one from the strategy.
+A source is local by contract: reading it issues no collective and no host sync. Strategy-specific sources plug in
+here: DTensor shards (FSDP2, tensor parallel) are read by :class:`ParameterGradients`, DeepSpeed's optimizer
+partitions by :mod:`lightning_ckguard.deepspeed_sources`. :func:`gradient_source_for` picks one from the strategy.
 """
 
 from __future__ import annotations
@@ -12,15 +13,29 @@ from torch import Tensor, nn
 
 
 class GradientSource(Protocol):
-    """Yields a rank's local gradients, with a stable index per parameter for attribution."""
+    """Yields a rank's local gradients, with a stable index per parameter for attribution.
+
+    ``defers_skip_outcome`` is True for sources whose strategy decides inside its optimizer step whether to skip it
+    (DeepSpeed): the guard then holds the recorded step until :meth:`skipped_last_step` can tell, after the step.
+    """
+
+    defers_skip_outcome: bool
 
     @property
     def parameter_names(self) -> list[str]:
         """Name of each parameter index; indices are the same on every rank."""
         ...
 
-    def local_gradients(self, optimizer: Any | None = None) -> tuple[tuple[int, ...], list[Tensor]]:
-        """Return ``(indices, grads)`` for the parameters stepped by ``optimizer`` (all parameters if ``None``)."""
+    def local_gradients(self, optimizer: Any | None = None) -> tuple[tuple[int, ...], list[Tensor]] | None:
+        """Return ``(indices, grads)`` for the parameters stepped by ``optimizer`` (all parameters if ``None``).
+
+        ``None`` means this call is not an optimizer step (a DeepSpeed micro-batch before the gradient accumulation
+        boundary): nothing is recorded. Reading is local: no collective, no host sync.
+        """
+        ...
+
+    def skipped_last_step(self) -> bool:
+        """After the optimizer step: whether the strategy skipped it (nothing applied). Host values only."""
         ...
 
 
@@ -33,10 +48,13 @@ def _local_tensor(grad: Tensor) -> Tensor:
 class ParameterGradients:
     """Reads ``param.grad`` of a module's parameters: single device, DDP, ZeRO-1 and DTensor shards.
 
-    Under DDP the gradients read here are the all-reduced ones each rank applies. Parameters that have no gradient
-    (frozen, unused in the step) are skipped. Parameters an optimizer holds that the module does not name are still
-    read, under a positional name.
+    Under DDP the gradients read here are the all-reduced ones each rank applies; under FSDP2 (``fully_shard``) and
+    tensor parallelism each rank reads the local shard of its DTensor gradients (possibly empty), and the agreement
+    makes the verdict global. Parameters that have no gradient (frozen, unused in the step) are skipped. Parameters
+    an optimizer holds that the module does not name are still read, under a positional name.
     """
+
+    defers_skip_outcome = False
 
     def __init__(self, module: nn.Module) -> None:
         self._names: list[str] = []
@@ -78,19 +96,41 @@ class ParameterGradients:
                 grads.append(_local_tensor(grad))
         return tuple(indices), grads
 
+    def skipped_last_step(self) -> bool:
+        """``param.grad`` strategies report skips before the step (a loss scaler's ``found_inf``), never after."""
+        return False
+
+
+def _is_deepspeed_strategy(strategy: Any) -> bool:
+    # lightning's strategy modules import without DeepSpeed; DeepSpeed itself is only needed to run one
+    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return isinstance(strategy, (DeepSpeedStrategy, FabricDeepSpeedStrategy))
+
 
 def gradient_source_for(strategy: Any, module: nn.Module) -> GradientSource:
     """Pick the gradient source for a Lightning (or Fabric) strategy.
 
+    DeepSpeed (ZeRO 0-3) reads the optimizer's local gradient partitions from the engine: ``module`` itself when it
+    is a ``DeepSpeedEngine`` (Fabric), else ``strategy.model`` (Lightning, after setup). Every other strategy
+    (single device, DDP, FSDP, ``ModelParallelStrategy``) reads ``param.grad``, shard-locally for DTensors.
+
     Raises:
-        ValueError: For strategies whose gradients this version cannot read, rather than guarding nothing silently.
+        ValueError: For a DeepSpeed strategy whose engine does not exist yet, rather than guarding nothing silently.
     """
-    name = type(strategy).__name__
-    if "DeepSpeed" in name:
-        raise ValueError(
-            f"FiniteGradCheckpoint does not support `{name}` yet: DeepSpeed keeps gradients in its optimizer "
-            "partitions, not in `param.grad`, so there is nothing this version can read."
-        )
+    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients, is_deepspeed_engine
+
+    if is_deepspeed_engine(module):
+        return DeepSpeedGradients(module)
+    if _is_deepspeed_strategy(strategy):
+        engine = getattr(strategy, "model", None)
+        if not is_deepspeed_engine(engine):
+            raise ValueError(
+                f"`{type(strategy).__name__}` has no DeepSpeed engine yet: create the gradient source after the "
+                "strategy set up the model (in Lightning, from `on_fit_start` on), or pass the engine as `module`."
+            )
+        return DeepSpeedGradients(engine, module)
     return ParameterGradients(module)
 
 

@@ -1,0 +1,299 @@
+"""Sharded gradients on two real CPU processes (gloo): DeepSpeed ZeRO-1/2/3 and FSDP2 (``ModelParallelStrategy``).
+
+No rank holds the whole gradient. A NaN is planted in rank 1's local gradient contribution (a hook on the first
+layer's activation, before any reduction), so after the reduction it sits in rank 1's partition or shard only (see
+``tests/sharded_helpers.py``). Each rank reads its own partition; the agreement makes the verdict global. Checkpoints
+are directories (DeepSpeed's engine checkpoints, torch distributed checkpoints), and every invariant holds for them.
+
+DeepSpeed runs through ``tests/deepspeed_shim.py`` (Lightning's ``DeepSpeedStrategy`` minus its CUDA checks); these
+tests skip when DeepSpeed is not importable. Each strategy runs all its scenarios in one process group
+(``tests/workers/sharded_scenarios.py``) with a 60 s collective timeout and a wall-clock timeout on top.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from sharded_helpers import FAULT_PARAMETERS
+
+from conftest import TESTS, run_ranks
+
+DEEPSPEED_KINDS = ["zero1", "zero2", "zero3"]
+KINDS = [*DEEPSPEED_KINDS, "fsdp2"]
+BOUNDARIES = ["periodic", "val_topk"]
+
+EXPECTED_REJECTION = {
+    "ranks": [1],
+    "first_step": 5,
+    "last_step": 5,
+    "num_steps": 1,
+    "global_step": 6,
+    "parameters": FAULT_PARAMETERS,
+    "skipped_steps": 0,
+    "pending_rejection": False,
+}
+# ZeRO-3 skips every step whose global gradient norm is not finite, whatever `check_grad_overflow` says: the NaN step
+# is never applied, and (with count_skipped_steps=True) the skip is what rejects. Every rank skipped it, so every rank
+# is listed; the parameters still come from the partition that held the NaN (rank 1's).
+EXPECTED = {
+    "zero1": EXPECTED_REJECTION,
+    "zero2": EXPECTED_REJECTION,
+    "zero3": {**EXPECTED_REJECTION, "ranks": [0, 1], "skipped_steps": 1},  # see SKIPPED_AND_COUNTED
+    "fsdp2": EXPECTED_REJECTION,
+}
+
+_cache: dict[str, list[dict[str, Any]]] = {}
+
+
+def _deepspeed_missing() -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install deepspeed): the ZeRO tests need it"
+    return None
+
+
+def results_for(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every scenario of ``kind``, as each rank saw it; run once per session."""
+    if kind in DEEPSPEED_KINDS and (reason := _deepspeed_missing()):
+        pytest.skip(reason)
+    if kind not in _cache:
+        out = tmp_path_factory.mktemp(kind)
+        proc = run_ranks("workers/sharded_scenarios.py", [kind, str(out)], timeout=300)
+        (out / "output.txt").write_text(proc.stdout)  # both ranks' output, for a scenario that failed unexpectedly
+        rank0 = out / "rank0.json"
+        assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+        unavailable = json.loads(rank0.read_text()).get("unavailable")
+        if unavailable:
+            _cache[kind] = [{"unavailable": unavailable}]
+        else:
+            results = []
+            for rank in (0, 1):
+                path = out / f"rank{rank}.json"
+                assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+                results.append(json.loads(path.read_text()))
+            assert proc.returncode == 0, proc.stdout[-4000:]
+            _cache[kind] = results
+    if "unavailable" in _cache[kind][0]:
+        pytest.skip(_cache[kind][0]["unavailable"])
+    return _cache[kind]
+
+
+def _relative(value: Any, root: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(root, "<dir>")
+    if isinstance(value, dict):
+        return {_relative(k, root): _relative(v, root) for k, v in value.items()}
+    return value
+
+
+def _dirname(result: dict[str, Any]) -> str:
+    return os.path.dirname(result["last_model_path"])
+
+
+def _checkpoints_are_directories(tree: dict[str, Any]) -> bool:
+    top = {name: entry for name, entry in tree.items() if "/" not in name}
+    return bool(top) and all(entry == ["dir"] for entry in top.values())
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_in_one_ranks_partition_is_rejected_on_every_rank(tmp_path_factory, kind, boundary):
+    ranks = results_for(kind, tmp_path_factory)
+    name = f"{boundary}-reject"
+    for rank, results in enumerate(ranks):
+        result = results[name]
+        assert result["error"] == EXPECTED[kind], f"rank {rank}: {result['error']}"
+        before = result["snapshots"]["5"]
+        assert result["state"] == before["state"], f"rank {rank}: callback state changed"
+        assert result["global_step"] == 6
+        # agreement came first: the rejected boundary never gathered state (ZeRO-3, FSDP) or called save_checkpoint
+        assert result["collections"] == before["collections"], f"rank {rank}: checkpoint collection after the fault"
+        assert before["collections"].get("save_checkpoint", 0) >= 2, "the finite boundaries before the fault saved"
+        # each rank read only its own partition: rank 0's was finite, rank 1's held both stem parameters
+        assert result["last_verdict"]["non_finite_parameters_per_rank"] == [0, 2], f"rank {rank}"
+    rank0 = ranks[0][name]
+    assert rank0["tree"] == rank0["snapshots"]["5"]["tree"], "checkpoint directory tree changed"
+    assert _checkpoints_are_directories(rank0["tree"]), sorted(rank0["tree"])
+    # the boundary would have written a new checkpoint, moved `last` and evicted the oldest: none of it happened
+    expected_top = {"periodic": {"step=2.ckpt", "step=4.ckpt"}, "val_topk": {"epoch=0.ckpt", "epoch=1.ckpt"}}[boundary]
+    assert {n for n in rank0["tree"] if "/" not in n} == expected_top | {"last.ckpt"}
+    if kind == "fsdp2":
+        # the NaN step was applied to rank 1's shard only: rank 0's local weights are still finite
+        assert [results[name]["weights_finite"] for results in ranks] == [True, False]
+    if kind == "zero3":
+        assert all(results[name]["weights_finite"] for results in ranks), "DeepSpeed skipped the step"
+
+
+SKIPPED_AND_COUNTED = {**EXPECTED_REJECTION, "ranks": [0, 1], "skipped_steps": 1}
+
+
+@pytest.mark.parametrize(
+    ("kind", "scenario", "expected"),
+    [
+        ("zero2", "offload-reject", EXPECTED_REJECTION),  # the fp32 partition's .grad, on the CPU
+        ("zero3", "offload-reject", SKIPPED_AND_COUNTED),  # ZeRO-3's gradient partitions, optimizer on the CPU
+        ("zero1", "bf16-optimizer-reject", SKIPPED_AND_COUNTED),  # BF16_Optimizer (fp32 gradient accumulation)
+    ],
+)
+def test_other_deepspeed_layouts_read_the_local_partition(tmp_path_factory, kind, scenario, expected):
+    ranks = results_for(kind, tmp_path_factory)
+    for rank, results in enumerate(ranks):
+        result = results[scenario]
+        assert result["error"] == expected, f"rank {rank}: {result['error']}"
+        assert result["last_verdict"]["non_finite_parameters_per_rank"] == [0, 2], f"rank {rank}"
+        assert result["state"] == result["snapshots"]["5"]["state"], f"rank {rank}: callback state changed"
+        assert result["collections"] == result["snapshots"]["5"]["collections"], f"rank {rank}"
+    rank0 = ranks[0][scenario]
+    assert rank0["tree"] == rank0["snapshots"]["5"]["tree"] and _checkpoints_are_directories(rank0["tree"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_finite_control_saves_and_resumes_like_model_checkpoint(tmp_path_factory, kind):
+    ranks = results_for(kind, tmp_path_factory)
+    for rank, results in enumerate(ranks):
+        guarded, plain = results["resume-guarded"], results["resume-plain"]
+        assert guarded["error"] is None and plain["error"] is None, f"rank {rank}: {guarded['error'] or plain['error']}"
+        for stage, steps in (("first", 6), ("resumed", 10)):
+            g, p = guarded[stage], plain[stage]
+            assert g["global_step"] == p["global_step"] == steps, f"rank {rank} {stage}"
+            assert _relative(g["state"], _dirname(g)) == _relative(p["state"], _dirname(p)), f"rank {rank} {stage}"
+            assert g["weights_finite"]
+    guarded, plain = ranks[0]["resume-guarded"], ranks[0]["resume-plain"]
+    for stage in ("first", "resumed"):
+        assert sorted(guarded[stage]["tree"]) == sorted(plain[stage]["tree"]), stage
+        assert _checkpoints_are_directories(guarded[stage]["tree"])
+    # resumed from last.ckpt (a directory) at step 6: step=8 and step=10 were added, older ones evicted
+    assert {n for n in guarded["resumed"]["tree"] if "/" not in n} == {"step=8.ckpt", "step=10.ckpt", "last.ckpt"}
+
+
+@pytest.mark.parametrize("kind", ["zero2", "zero3"])
+def test_step_skipped_by_deepspeed_is_reported_and_does_not_reject(tmp_path_factory, kind):
+    # ZeRO-2 with bf16 `check_grad_overflow` on; ZeRO-3 always: DeepSpeed skips the NaN step, nothing is applied
+    for rank, results in enumerate(results_for(kind, tmp_path_factory)):
+        result = results["overflow-skipped"]
+        assert result["error"] is None, f"rank {rank}: {result['error']}"
+        assert result["global_step"] == 8 and result["weights_finite"]
+        verdict = result["verdicts"]["6"]
+        assert verdict["accepted"] and verdict["skipped_steps"] == 1, verdict
+        assert verdict["skipped_per_rank"] == [1, 1]
+    tree = results_for(kind, tmp_path_factory)[0]["overflow-skipped"]["tree"]
+    assert {n for n in tree if "/" not in n} == {"step=6.ckpt", "step=8.ckpt", "last.ckpt"}
+
+
+def test_count_skipped_steps_rejects_a_step_deepspeed_skipped(tmp_path_factory):
+    ranks = results_for("zero2", tmp_path_factory)
+    errors = [results["overflow-counted"]["error"] for results in ranks]
+    assert errors[0] == errors[1], "every rank raises the same error"
+    assert errors[0] == SKIPPED_AND_COUNTED
+    for results in ranks:
+        result = results["overflow-counted"]
+        assert result["state"] == result["snapshots"]["5"]["state"]
+        assert result["weights_finite"], "DeepSpeed skipped the step"
+    rank0 = ranks[0]["overflow-counted"]
+    assert rank0["tree"] == rank0["snapshots"]["5"]["tree"]
+
+
+def test_recording_under_zero2_issues_no_collective_between_boundaries(tmp_path_factory):
+    # 4 optimizer steps of 2 micro-batches each; c10d ops and host reads counted per batch, boundaries left out
+    for rank, results in enumerate(results_for("zero2", tmp_path_factory)):
+        guarded = results["collectives-guarded"]["ops_per_batch"]
+        plain = results["collectives-plain"]["ops_per_batch"]
+        assert len(guarded) == len(plain) == 8
+        assert any(ops for ops in plain), "the counter sees DeepSpeed's own gradient reductions"
+        assert guarded == plain, f"rank {rank}: the guard added collectives or host reads between boundaries"
+        assert results["collectives-guarded"]["error"] is None
+    rank0 = results_for("zero2", tmp_path_factory)[0]
+    assert sorted(rank0["collectives-guarded"]["tree"]) == sorted(rank0["collectives-plain"]["tree"])
+
+
+@pytest.mark.skipif(_deepspeed_missing() is not None, reason="DeepSpeed is not installed")
+def test_deepspeed_demo_shows_rejection_intact_directories_and_resume(tmp_path):
+    demo = os.path.join(os.path.dirname(TESTS), "examples", "deepspeed_nan_demo.py")
+    proc = run_ranks(demo, [], timeout=300, env={"CKGUARD_DEMO_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("[", "    "))]
+    text = "\n".join(lines)
+    assert "[1] ModelCheckpoint" in text and "step=40.ckpt/ (NaN weights)" in text
+    assert "NonFiniteGradientError(ranks=(1,), steps 23-23, boundary at step 24" in text
+    assert "last.ckpt/ (finite), step=16.ckpt/ (finite), step=8.ckpt/ (finite)" in text
+    assert "[3] resumed from last.ckpt/ and finished at step 40" in text
+    assert "NaN weights" not in lines[-1]
+
+
+# ---------------------------------------------------------------------- the source itself, in one process
+
+
+class _FakeEngine:
+    """The attributes of a DeepSpeedEngine that the source reads."""
+
+    def __init__(self, optimizer: Any, boundary: bool = True, applied: bool = True) -> None:
+        self.optimizer = optimizer
+        self.boundary = boundary
+        self.applied = applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.boundary
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+    def zero_optimization_stage(self) -> int:
+        return 2
+
+
+def test_deepspeed_source_reads_zero2_partition_slices_and_defers_the_skip_outcome():
+    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    params = list(module.parameters())
+    pad = torch.zeros(1)
+    pad._zero_padding = True  # type: ignore[attr-defined]
+    slices = [torch.ones(2), pad, torch.full((2,), float("nan")), torch.ones(1), torch.zeros(3)]  # last: unmarked pad
+    optimizer = SimpleNamespace(averaged_gradients={0: slices}, params_in_partition=[params[1:]])
+    engine = _FakeEngine(optimizer)
+    source = DeepSpeedGradients(engine, module)
+    assert source.defers_skip_outcome
+    indices, grads = source.local_gradients()
+    assert [source.parameter_names[i] for i in indices] == ["0.bias", "1.weight", "1.bias"]
+    assert [g is s for g, s in zip(grads, [slices[0], slices[2], slices[3]], strict=True)] == [True] * 3
+    engine.boundary = False
+    assert source.local_gradients() is None, "a micro-batch inside accumulation is not an optimizer step"
+    assert source.skipped_last_step() is False
+    engine.applied = False
+    assert source.skipped_last_step() is True
+
+
+def test_gradient_source_for_picks_the_deepspeed_source_from_the_engine():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
+    from lightning_ckguard.sources import ParameterGradients, gradient_source_for
+
+    module = torch.nn.Linear(2, 2)
+    plain = gradient_source_for(DDPStrategy(), module)
+    assert isinstance(plain, ParameterGradients)
+    assert plain.defers_skip_outcome is False and plain.skipped_last_step() is False
+    engine = _FakeEngine(SimpleNamespace())
+    engine.module = module  # type: ignore[attr-defined]
+    assert isinstance(gradient_source_for(DDPStrategy(), engine), DeepSpeedGradients)  # Fabric passes the engine
+
+
+@pytest.mark.skipif(_deepspeed_missing() is not None, reason="DeepSpeed is not installed")
+def test_gradient_source_for_a_deepspeed_strategy_needs_its_engine():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
+    from lightning_ckguard.sources import gradient_source_for
+
+    module = torch.nn.Linear(2, 2)
+    strategy = DeepSpeedStrategy(stage=2)
+    with pytest.raises(ValueError, match="no DeepSpeed engine yet"):
+        gradient_source_for(strategy, module)
+    strategy.model = _FakeEngine(SimpleNamespace())  # type: ignore[assignment]
+    source = gradient_source_for(strategy, module)
+    assert isinstance(source, DeepSpeedGradients) and source.parameter_names == ["weight", "bias"]
