@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -30,9 +31,10 @@ from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.publication import BoundaryPublication
 from lightning_ckguard.report import BoundaryReport
-from lightning_ckguard.seal import PublicationSeal
+from lightning_ckguard.seal import PublicationSeal, agree_on_write
 from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.sources import gradient_source_for
+from lightning_ckguard.staging import discard, move_into_place, recover, staging_path, writes_directories
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,11 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         self._trainer = trainer
         PublicationSeal.install(trainer, self)
+        if trainer.is_global_zero and self.dirpath is not None:
+            for action in recover(str(self.dirpath)):  # what a crash during an earlier publication left behind
+                rank_zero_warn(f"FiniteGradCheckpoint {action}.")
+        if getattr(trainer.strategy, "world_size", 1) > 1:
+            trainer.strategy.barrier("FiniteGradCheckpoint.recover")  # every rank restores from the recovered files
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after the strategy wrapped the model and built the optimizers, so parameter identities are final
@@ -310,7 +317,29 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             return
         if self._publication.publishing:
             self._publication.note_write(filepath, existed=trainer.is_global_zero and self._fs.exists(filepath))
+            if writes_directories(trainer.strategy):
+                self._save_directory(trainer, filepath)
+                return
         super()._save_checkpoint(trainer, filepath)
+
+    def _save_directory(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Every rank writes into a staging sibling; rank 0 moves it into place once all ranks are done."""
+        staging = staging_path(filepath)
+        try:
+            # ends with Lightning's post-save barrier; a failure on any rank raises on every rank (the seal)
+            super()._save_checkpoint(trainer, staging)
+        except BaseException:
+            if trainer.is_global_zero:
+                discard(staging)
+            raise
+        failure: Exception | None = None
+        if trainer.is_global_zero:
+            try:
+                move_into_place(staging, filepath)
+            except Exception as error:
+                failure = error
+        agree_on_write(trainer.strategy, failure, filepath)  # also the barrier: nobody links or evicts before this
+        self._last_checkpoint_saved = filepath
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         if self._publication.planning:
@@ -348,6 +377,39 @@ class FiniteGradCheckpoint(ModelCheckpoint):
                 "upgrade lightning_ckguard to resume from it."
             )
         super().load_state_dict({key: value for key, value in state_dict.items() if key != _FORMAT_KEY})
+        self._drop_missing_checkpoints()
+
+    def _drop_missing_checkpoints(self) -> None:
+        """Forget ledger entries whose checkpoint is gone (deleted by hand, lost in a crash), with a warning.
+
+        Rank 0's view of the files decides, so every rank keeps the same ledger even without a shared filesystem.
+        """
+        paths = [*self.best_k_models, self.last_model_path]
+        missing = [p for p in paths if p and not self._fs.exists(p)]
+        trainer = self._trainer
+        if trainer is not None and getattr(trainer.strategy, "world_size", 1) > 1:
+            missing = trainer.strategy.broadcast(missing, src=0)
+        if not missing:
+            return
+        for path in missing:
+            self.best_k_models.pop(path, None)
+        if self.last_model_path in missing:
+            self.last_model_path = ""
+        scores = self.best_k_models
+        best, worst = (min, max) if self.mode == "min" else (max, min)
+        if self.best_model_path in missing:
+            self.best_model_path = best(scores, key=scores.__getitem__) if scores else ""
+            self.best_model_score = scores[self.best_model_path] if scores else None
+        if self.kth_best_model_path in missing:
+            self.kth_best_model_path = worst(scores, key=scores.__getitem__) if scores else ""
+            self.kth_value = (
+                scores[self.kth_best_model_path] if scores
+                else torch.tensor(float("inf") if self.mode == "min" else -float("inf"))
+            )
+        rank_zero_warn(
+            f"FiniteGradCheckpoint dropped {len(missing)} checkpoint(s) its state lists but that no longer exist: "
+            + ", ".join(missing)
+        )
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

@@ -104,3 +104,24 @@ def test_guard_adds_zero_host_syncs_per_training_step(tmp_path):
                 - _host_reads_in_fit(ModelCheckpoint, 2 * n, tmp_path))
     assert extra_n == extra_2n, f"the guard's host reads grow with steps: {extra_n} for {n}, {extra_2n} for {2 * n}"
     assert extra_n <= 2, "expected only the boundary read(s) of the final save"
+
+
+@pytest.mark.parametrize("shape", [(4096,), (5000,), (70_000,), (65_537,), (1024, 1536), (3, 100_003)])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_every_cpu_read_path_is_exact(shape, value):
+    # small batched, mid-size aminmax, and large matrix-product reads; contiguous and transposed
+    cpu = torch.device("cpu")
+    big = torch.full(shape, torch.finfo(torch.float32).max)
+    assert not NonFiniteCheck()([big, -big], cpu).any()
+    for position in (0, big.numel() // 2, big.numel() - 1):
+        grad = big.clone()
+        grad.view(-1)[position] = value
+        other = grad.t() if grad.dim() == 2 else grad
+        assert NonFiniteCheck()([torch.ones(3), grad, other], cpu).tolist() == [False, True, True]
+
+
+def test_reduced_fp32_matmul_precision_stays_exact(monkeypatch):
+    # bf16 matmuls would turn fp32 max into inf: the check must not use them
+    monkeypatch.setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16")
+    big = torch.full((1 << 20,), torch.finfo(torch.float32).max)
+    assert not NonFiniteCheck()([big], torch.device("cpu")).any()

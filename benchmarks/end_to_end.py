@@ -1,0 +1,171 @@
+"""End-to-end training step time: ``FiniteGradCheckpoint`` against ``ModelCheckpoint`` and the alternatives (CPU).
+
+Each configuration trains the same model from the same seed with ``Trainer.fit``; a timing callback records the
+interval between consecutive ``on_train_batch_start`` calls, so a step includes forward, backward, every callback
+hook (the guard records in ``on_before_optimizer_step``), the optimizer step and the checkpoint callback's
+batch-end hook. Configurations alternate run by run (``--repeats`` rounds); the table shows the median step time
+over all timed steps of all rounds and the ratio to ``ModelCheckpoint`` alone. No checkpoint is due inside the timed
+steps (``every_n_train_steps`` is out of reach): the per-boundary cost is measured by ``preflight.py``.
+
+Models:
+  transformer  causal LM, 6 layers, d_model 512, vocabulary 8192 (~27M parameters), AdamW, batch 4 x 128 tokens
+  mlp          784-2048-2048-10 MLP (~5.8M parameters), AdamW, batch 256
+
+Rows:
+  ModelCheckpoint                 the baseline
+  FiniteGradCheckpoint            this package
+  MC + naive isfinite callback    ``torch.isfinite(p.grad).all().item()`` per parameter, every step
+  MC + SpikeDetection             Lightning's loss-spike callback (loss only, gradients are not looked at)
+  MC + detect_anomaly=True        autograd anomaly mode
+
+    python benchmarks/end_to_end.py                                  # both models, ~3-4 min on 2 cores
+    python benchmarks/end_to_end.py --models mlp --repeats 5 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks.spike import SpikeDetection
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, median, ms, table  # noqa: E402
+
+from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self, vocab: int = 8192, d_model: int = 512, layers: int = 6, context: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.position = nn.Parameter(torch.zeros(context, d_model))
+        layer = nn.TransformerEncoderLayer(d_model, 8, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        x = self.embed(tokens[:, :-1]) + self.position[: tokens.shape[1] - 1]
+        t = x.shape[1]
+        x = self.blocks(x, mask=self.mask[:t, :t], is_causal=True)
+        logits = self.head(self.norm(x))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def data(model: str, steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    if model == "transformer":
+        return DataLoader(TensorDataset(torch.randint(0, 8192, (4 * steps, 129), generator=g)), batch_size=4)
+    x, y = torch.randn(256 * steps, 784, generator=g), torch.randint(0, 10, (256 * steps,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=256)
+
+
+class StepTimer(Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.starts.append(time.perf_counter())
+
+    def steps(self, warmup: int) -> list[float]:
+        return [b - a for a, b in zip(self.starts[warmup:], self.starts[warmup + 1 :], strict=False)]
+
+
+class NaiveFiniteCheck(Callback):
+    """The naive guard: one host sync per parameter per step."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for p in pl_module.parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all().item():
+                raise RuntimeError("non-finite gradient")
+
+
+CONFIGS = ["ModelCheckpoint", "FiniteGradCheckpoint", "MC + naive isfinite callback", "MC + SpikeDetection",
+           "MC + detect_anomaly=True"]
+
+
+def run(model_name: str, config: str, steps: int, warmup: int, root: str) -> list[float]:
+    seed_everything(0, verbose=False)
+    model = TinyLM() if model_name == "transformer" else MLP()
+    kwargs = dict(dirpath=f"{root}/{model_name}-{CONFIGS.index(config)}", every_n_train_steps=10**9)
+    checkpoint = FiniteGradCheckpoint(**kwargs) if config == "FiniteGradCheckpoint" else ModelCheckpoint(**kwargs)
+    timer = StepTimer()
+    callbacks: list[Callback] = [timer, checkpoint]
+    if config == "MC + naive isfinite callback":
+        callbacks.append(NaiveFiniteCheck())
+    if config == "MC + SpikeDetection":
+        callbacks.append(SpikeDetection())
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, detect_anomaly=config == "MC + detect_anomaly=True",
+        default_root_dir=root, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(model, data(model_name, warmup + steps))
+    return timer.steps(warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["transformer", "mlp"], choices=["transformer", "mlp"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; every configuration runs once per round")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per run (default: 6 transformer, 25 mlp)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    print(f"# End-to-end step time\n\nMachine: {machine()}\n")
+    with tempfile.TemporaryDirectory() as root:
+        for model_name in args.models:
+            steps = args.steps or (6 if model_name == "transformer" else 25)
+            params = sum(p.numel() for p in (TinyLM() if model_name == "transformer" else MLP()).parameters())
+            times: dict[str, list[float]] = {c: [] for c in args.configs}
+            for repeat in range(args.repeats):
+                order = args.configs if repeat % 2 == 0 else list(reversed(args.configs))
+                for config in order:
+                    times[config] += run(model_name, config, steps, args.warmup, root)
+            base = median(times["ModelCheckpoint"])
+            rows = [[c, ms(median(t)), f"{median(t) / base:.3f}", ms(min(t)), f"{median(t) / base - 1:+.1%}"]
+                    for c, t in times.items()]
+            print(f"## {model_name}: {params / 1e6:.1f}M parameters, {args.repeats} rounds x {steps} timed steps\n")
+            print(table(["configuration", "median step ms", "ratio to MC", "min step ms", "overhead"], rows))
+            print()
+
+
+if __name__ == "__main__":
+    main()
