@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_ckguard.sources import ParameterGradients
+from lightning_ckguard.sources import ParameterGradients, ParameterIndex
 
 # name-mangled private attribute of DeepSpeedZeroOptimizer_Stage3: ds_id -> this rank's gradient partition
 _STAGE3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
@@ -60,31 +60,21 @@ class DeepSpeedGradients:
     def __init__(self, engine: Any, module: nn.Module | None = None) -> None:
         self.engine = engine
         module = module if module is not None else engine.module
-        self._names: list[str] = []
-        self._index: dict[int, int] = {}
-        for name, param in module.named_parameters():
-            self._add(param, name)
+        self._parameters = ParameterIndex(module)
         self._fallback = ParameterGradients(module)
         self._group_indices: dict[tuple[str, int], int] = {}
 
     @property
     def parameter_names(self) -> list[str]:
-        return self._names
-
-    def _add(self, param: Tensor, name: str | None = None) -> int:
-        key = id(param)
-        if key not in self._index:
-            self._index[key] = len(self._names)
-            self._names.append(name if name is not None else f"<parameter {len(self._names)} outside the module>")
-        return self._index[key]
+        return self._parameters.names
 
     def _group_index(self, kind: str, group: int) -> int:
         """An index for a whole partition whose slices cannot be attributed to parameters."""
         key = (kind, group)
         index = self._group_indices.get(key)
         if index is None:
-            index = self._group_indices[key] = len(self._names)
-            self._names.append(f"<{kind} partition of parameter group {group}>")
+            name = f"<{kind} partition of parameter group {group}>"
+            index = self._group_indices[key] = self._parameters.add_name(name)
         return index
 
     # ------------------------------------------------------------------ the protocol
@@ -133,7 +123,7 @@ class DeepSpeedGradients:
             # may be unmarked; the first len(params) unmarked slices are the parameters' own, in order
             real = [s for s in slices if not getattr(s, "_zero_padding", False)]
             if len(real) >= len(params):
-                pairs.extend((self._add(p), s) for p, s in zip(params, real, strict=False))
+                pairs.extend((self._parameters.add(p), s) for p, s in zip(params, real, strict=False))
             else:  # a layout this version does not know: check the whole partition, unattributed
                 pairs.extend((self._group_index("ZeRO", group), s) for s in slices)
         return pairs
@@ -145,7 +135,7 @@ class DeepSpeedGradients:
             for param in group:
                 grad = partitions.get(getattr(param, "ds_id", None))
                 if grad is not None and param.requires_grad:
-                    pairs.append((self._add(param), grad))
+                    pairs.append((self._parameters.add(param), grad))
         return pairs
 
     def _bf16_optimizer(self, opt: Any) -> list[tuple[int, Tensor]]:
@@ -163,7 +153,7 @@ class DeepSpeedGradients:
             if mapping is None:
                 continue  # no element of this parameter is in this rank's partition
             address = mapping.get_hp_fragment_address()
-            pairs.append((self._add(param), flat.narrow(0, address.start, address.numel)))
+            pairs.append((self._parameters.add(param), flat.narrow(0, address.start, address.numel)))
         if not pairs and flat.numel():
             pairs.append((self._group_index("ZeRO", group), flat))  # no mapping at all: check it unattributed
         return pairs

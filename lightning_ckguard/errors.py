@@ -48,15 +48,7 @@ class NonFiniteGradientError(RuntimeError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        return rejection_text(
-            ranks=self.ranks,
-            first_step=self.first_step,
-            last_step=self.last_step,
-            num_steps=self.num_steps,
-            global_step=self.global_step,
-            parameters=self.parameters,
-            skipped_steps=self.skipped_steps,
-        )
+        return rejection_text(**{k: v for k, v in self.fields().items() if k != "pending_rejection"})
 
     def fields(self) -> dict[str, Any]:
         """The error's fields as plain values, e.g. to compare the error across ranks or to log it."""

@@ -61,6 +61,10 @@ def rejection_text(
     )
 
 
+# what a report takes over from a verdict, and passes on to the error
+_VERDICT_FIELDS = ("global_step", "ranks", "first_step", "last_step", "num_steps", "skipped_steps", "parameters")
+
+
 @dataclass(frozen=True)
 class BoundaryReport:
     """The decision of one boundary (or manual save), identical on every rank.
@@ -92,18 +96,9 @@ class BoundaryReport:
     @classmethod
     def from_verdict(cls, verdict: Verdict, boundary: str) -> BoundaryReport:
         """Describe ``verdict`` as decided at ``boundary``."""
-        return cls(
-            boundary=boundary,
-            global_step=verdict.global_step,
-            accepted=verdict.accepted,
-            ranks=verdict.ranks,
-            first_step=verdict.first_step,
-            last_step=verdict.last_step,
-            num_steps=verdict.num_steps,
-            skipped_steps=verdict.skipped_steps,
-            parameters=verdict.parameters,
-            pending_rejection=any(r.pending_rejection for r in verdict.reports),
-        )
+        counted = {name: getattr(verdict, name) for name in _VERDICT_FIELDS}
+        pending = any(r.pending_rejection for r in verdict.reports)
+        return cls(boundary=boundary, accepted=verdict.accepted, pending_rejection=pending, **counted)
 
     @property
     def message(self) -> str:
@@ -121,16 +116,7 @@ class BoundaryReport:
 
         if self.accepted:
             raise ValueError("An accepted boundary has no error.")
-        return NonFiniteGradientError(
-            ranks=self.ranks,
-            first_step=self.first_step,
-            last_step=self.last_step,
-            num_steps=self.num_steps,
-            global_step=self.global_step,
-            parameters=self.parameters,
-            skipped_steps=self.skipped_steps,
-            pending_rejection=self.pending_rejection,
-        )
+        return NonFiniteGradientError(**{name: getattr(self, name) for name in (*_VERDICT_FIELDS, "pending_rejection")})
 
 
 __all__ = ["BoundaryReport", "rejection_text"]

@@ -45,6 +45,30 @@ def _local_tensor(grad: Tensor) -> Tensor:
     return to_local() if callable(to_local) else grad
 
 
+class ParameterIndex:
+    """A stable index per parameter: the module's own names first, in ``named_parameters()`` order, then any other
+    parameter (held by an optimizer but not named by the module) under a positional name, as first seen."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.names: list[str] = []
+        self._index: dict[int, int] = {}
+        for name, param in module.named_parameters():
+            self.add(param, name)
+
+    def add(self, param: Tensor, name: str | None = None) -> int:
+        """The index of ``param``, assigned on first sight."""
+        key = id(param)
+        if key not in self._index:
+            self._index[key] = len(self.names)
+            self.names.append(name if name is not None else f"<parameter {len(self.names)} outside the module>")
+        return self._index[key]
+
+    def add_name(self, name: str) -> int:
+        """An index for something that is not one parameter (e.g. a whole unattributable partition)."""
+        self.names.append(name)
+        return len(self.names) - 1
+
+
 class ParameterGradients:
     """Reads ``param.grad`` of a module's parameters: single device, DDP, ZeRO-1 and DTensor shards.
 
@@ -57,31 +81,21 @@ class ParameterGradients:
     defers_skip_outcome = False
 
     def __init__(self, module: nn.Module) -> None:
-        self._names: list[str] = []
-        self._index: dict[int, int] = {}
-        for name, param in module.named_parameters():
-            self._add(param, name)
-        self._module_params: list[tuple[int, Tensor]] = [(self._index[id(p)], p) for p in module.parameters()]
+        self._parameters = ParameterIndex(module)
+        self._module_params: list[tuple[int, Tensor]] = [(self._parameters.add(p), p) for p in module.parameters()]
         # per optimizer: (group sizes when cached, [(index, param)]); rebuilt when param groups change
         self._optimizer_params: dict[int, tuple[tuple[int, ...], list[tuple[int, Tensor]]]] = {}
 
     @property
     def parameter_names(self) -> list[str]:
-        return self._names
-
-    def _add(self, param: Tensor, name: str | None = None) -> int:
-        key = id(param)
-        if key not in self._index:
-            self._index[key] = len(self._names)
-            self._names.append(name if name is not None else f"<parameter {len(self._names)} outside the module>")
-        return self._index[key]
+        return self._parameters.names
 
     def _params_of(self, optimizer: Any) -> list[tuple[int, Tensor]]:
         groups = optimizer.param_groups
         sizes = tuple(len(group["params"]) for group in groups)
         cached = self._optimizer_params.get(id(optimizer))
         if cached is None or cached[0] != sizes:
-            cached = (sizes, [(self._add(p), p) for group in groups for p in group["params"]])
+            cached = (sizes, [(self._parameters.add(p), p) for group in groups for p in group["params"]])
             self._optimizer_params[id(optimizer)] = cached
         return cached[1]
 
@@ -134,4 +148,4 @@ def gradient_source_for(strategy: Any, module: nn.Module) -> GradientSource:
     return ParameterGradients(module)
 
 
-__all__ = ["GradientSource", "ParameterGradients", "gradient_source_for"]
+__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex", "gradient_source_for"]

@@ -1,8 +1,10 @@
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -40,3 +42,16 @@ def run_ranks(script: str, args: list[str], timeout: float, env: dict | None = N
         out, _ = proc.communicate()
         pytest.fail(f"{script} did not finish within {timeout} s (deadlock?). Output tail:\n{out[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def read_rank_results(out: Any, proc: subprocess.CompletedProcess, world_size: int = 2,
+                      prefix: str = "") -> list[dict[str, Any]]:
+    """The JSON each rank of a worker run wrote to ``out/{prefix}rank{N}.json``; fails with the output tail."""
+    results = []
+    for rank in range(world_size):
+        path = os.path.join(out, f"{prefix}rank{rank}.json")
+        assert os.path.exists(path), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+        with open(path) as f:
+            results.append(json.load(f))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return results

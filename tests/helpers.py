@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +43,15 @@ def tree_digest(root: str | None) -> dict[str, Any]:
                 # another rank may still be evicting while a non-zero rank looks; the tests compare rank 0's view
                 continue
     return digest
+
+
+def relative_paths(value: Any, root: Any) -> Any:
+    """``value`` (strings, nested dicts) with ``root`` replaced by ``<dir>``, to compare runs in different dirs."""
+    if isinstance(value, str):
+        return value.replace(str(root), "<dir>")
+    if isinstance(value, dict):
+        return {relative_paths(k, root): relative_paths(v, root) for k, v in value.items()}
+    return value
 
 
 def _plain(value: Any) -> Any:
@@ -195,3 +205,18 @@ class FailingIO(TorchCheckpointIO):
         if self.fail_on in os.path.basename(str(path)):
             raise OSError(28, "No space left on device", str(path))
         super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def run_scenarios(scenarios: dict[str, Callable[[str], dict[str, Any]]], out: str, only: set[str]) -> None:
+    """Worker side: run each scenario (all of them, or those in ``only``) in order on this rank, rewriting
+    ``out/rank{N}.json`` after each one, so a scenario that kills the process still leaves the earlier results."""
+    results: dict[str, Any] = {}
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    for name, scenario in scenarios.items():
+        if only and name not in only:
+            continue
+        results[name] = scenario(out)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

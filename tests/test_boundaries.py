@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import QUIET, CountingStrategy, FaultyModel, ledger_state, tree_digest
+from helpers import QUIET, CountingStrategy, FaultyModel, ledger_state, relative_paths, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 
 EPOCHS = dict(max_epochs=4, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0)
@@ -41,19 +41,11 @@ def fit(callback: ModelCheckpoint, trainer_kwargs: dict[str, Any], seed: int = 0
     return trainer
 
 
-def _relative(value: Any, root: str) -> Any:
-    if isinstance(value, str):
-        return value.replace(str(root), "<dir>")
-    if isinstance(value, dict):
-        return {_relative(k, root): _relative(v, root) for k, v in value.items()}
-    return value
-
-
 def _checkpoint_contents(root: str) -> dict[str, Any]:
     contents = {}
     for name in sorted(os.listdir(root)):
         ckpt = torch.load(os.path.join(root, name), weights_only=False)
-        states = {key.split("{")[1]: _relative(value, root) for key, value in ckpt.get("callbacks", {}).items()}
+        states = {key.split("{")[1]: relative_paths(value, root) for key, value in ckpt.get("callbacks", {}).items()}
         contents[name] = (ckpt["global_step"], ckpt["state_dict"], states)
     return contents
 
@@ -68,7 +60,7 @@ def test_finite_runs_match_model_checkpoint(config, tmp_path):
         fit(callback, trainer_kwargs)
         fit(callback, trainer_kwargs)
     p, g = str(tmp_path / "plain"), str(tmp_path / "guarded")
-    assert _relative(ledger_state(guarded), g) == _relative(ledger_state(plain), p)
+    assert relative_paths(ledger_state(guarded), g) == relative_paths(ledger_state(plain), p)
     assert {k: v for k, v in tree_digest(g).items() if v[0] == "link"} == {
         k: v for k, v in tree_digest(p).items() if v[0] == "link"}
     ours, theirs = _checkpoint_contents(g), _checkpoint_contents(p)

@@ -7,13 +7,13 @@ scenario would report an unexpected error instead of the agreed ``NonFiniteGradi
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import pytest
 
-from conftest import run_ranks
+from conftest import read_rank_results, run_ranks
+from helpers import relative_paths
 
 OPTIMIZERS = ["ddp", "zero1"]
 EXPECTED_REJECTION = {
@@ -31,22 +31,7 @@ EXPECTED_REJECTION = {
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ddp")
-    proc = run_ranks("workers/ddp_scenarios.py", [str(out)], timeout=600)
-    results = []
-    for rank in (0, 1):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-        results.append(json.loads(path.read_text()))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return results
-
-
-def _relative(value: Any, root: str) -> Any:
-    if isinstance(value, str):
-        return value.replace(root, "<dir>")
-    if isinstance(value, dict):
-        return {_relative(k, root): _relative(v, root) for k, v in value.items()}
-    return value
+    return read_rank_results(out, run_ranks("workers/ddp_scenarios.py", [str(out)], timeout=600))
 
 
 def _dirname(result: dict[str, Any]) -> str:
@@ -82,7 +67,7 @@ def test_finite_control_saves_like_model_checkpoint(ranks, optimizer, boundary):
     for rank, results in enumerate(ranks):
         guarded, plain = results[f"{optimizer}-{boundary}-finite"], results[f"{optimizer}-{boundary}-plain"]
         assert guarded["error"] is None and plain["error"] is None, f"rank {rank}"
-        assert _relative(guarded["state"], _dirname(guarded)) == _relative(plain["state"], _dirname(plain))
+        assert relative_paths(guarded["state"], _dirname(guarded)) == relative_paths(plain["state"], _dirname(plain))
     guarded, plain = ranks[0][f"{optimizer}-{boundary}-finite"], ranks[0][f"{optimizer}-{boundary}-plain"]
     assert sorted(guarded["tree"]) == sorted(plain["tree"])
     assert guarded["tree"]

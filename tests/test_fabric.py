@@ -8,7 +8,6 @@ around it must be on disk with finite weights.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from conftest import TESTS, run_ranks
+from conftest import TESTS, read_rank_results, run_ranks
 from lightning_ckguard import GradientGuard, NonFiniteGradientError
 
 EXAMPLE = os.path.join(os.path.dirname(TESTS), "examples", "fabric_guard.py")
@@ -24,13 +23,7 @@ TIMEOUT = 240  # wall clock for a whole 2-process run; collectives time out afte
 
 
 def read_ranks(out: Any, prefix: str, proc: Any) -> list[dict[str, Any]]:
-    results = []
-    for rank in (0, 1):
-        path = out / f"{prefix}-rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-        results.append(json.loads(path.read_text()))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return results
+    return read_rank_results(out, proc, prefix=f"{prefix}-")
 
 
 def finite_file(path: Any, key: str | None = None) -> bool:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from conftest import run_ranks
+from conftest import read_rank_results, run_ranks
 
 SCENARIOS = ["ddp-periodic-reject", "zero1-val_topk-reject", "ddp-periodic-finite"]
 
@@ -16,13 +14,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("four")
     proc = run_ranks("workers/ddp_scenarios.py", [str(out), *SCENARIOS], timeout=600,
                      env={"CKGUARD_TEST_DEVICES": "4"})
-    results = []
-    for rank in range(4):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-        results.append(json.loads(path.read_text()))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return results
+    return read_rank_results(out, proc, world_size=4)
 
 
 @pytest.mark.parametrize("name", ["ddp-periodic-reject", "zero1-val_topk-reject"])

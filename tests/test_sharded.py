@@ -22,7 +22,8 @@ import pytest
 import torch
 from sharded_helpers import FAULT_PARAMETERS
 
-from conftest import TESTS, run_ranks
+from conftest import TESTS, read_rank_results, run_ranks
+from helpers import relative_paths
 
 DEEPSPEED_KINDS = ["zero1", "zero2", "zero3"]
 KINDS = [*DEEPSPEED_KINDS, "fsdp2"]
@@ -71,24 +72,10 @@ def results_for(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dic
         if unavailable:
             _cache[kind] = [{"unavailable": unavailable}]
         else:
-            results = []
-            for rank in (0, 1):
-                path = out / f"rank{rank}.json"
-                assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-                results.append(json.loads(path.read_text()))
-            assert proc.returncode == 0, proc.stdout[-4000:]
-            _cache[kind] = results
+            _cache[kind] = read_rank_results(out, proc)
     if "unavailable" in _cache[kind][0]:
         pytest.skip(_cache[kind][0]["unavailable"])
     return _cache[kind]
-
-
-def _relative(value: Any, root: str) -> Any:
-    if isinstance(value, str):
-        return value.replace(root, "<dir>")
-    if isinstance(value, dict):
-        return {_relative(k, root): _relative(v, root) for k, v in value.items()}
-    return value
 
 
 def _dirname(result: dict[str, Any]) -> str:
@@ -161,7 +148,8 @@ def test_finite_control_saves_and_resumes_like_model_checkpoint(tmp_path_factory
         for stage, steps in (("first", 6), ("resumed", 10)):
             g, p = guarded[stage], plain[stage]
             assert g["global_step"] == p["global_step"] == steps, f"rank {rank} {stage}"
-            assert _relative(g["state"], _dirname(g)) == _relative(p["state"], _dirname(p)), f"rank {rank} {stage}"
+            ours, theirs = relative_paths(g["state"], _dirname(g)), relative_paths(p["state"], _dirname(p))
+            assert ours == theirs, f"rank {rank} {stage}"
             assert g["weights_finite"]
     guarded, plain = ranks[0]["resume-guarded"], ranks[0]["resume-plain"]
     for stage in ("first", "resumed"):

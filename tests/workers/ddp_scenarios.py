@@ -8,7 +8,6 @@ fails through the 60 s collective timeout; the test adds its own wall-clock time
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import traceback
@@ -24,7 +23,7 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-from helpers import QUIET, FailingIO, FaultyModel, ledger_state, tree_digest  # noqa: E402
+from helpers import QUIET, FailingIO, FaultyModel, ledger_state, run_scenarios, tree_digest  # noqa: E402
 from lightning_ckguard import CheckpointWriteError, FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -149,19 +148,7 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
 
 
 def main() -> None:
-    out = sys.argv[1]
-    only = set(sys.argv[2:])
-    results: dict[str, Any] = {}
-    rank = None
-    for name, scenario in scenarios().items():
-        if only and name not in only:
-            continue
-        results[name] = scenario(out)
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    run_scenarios(scenarios(), sys.argv[1], set(sys.argv[2:]))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from sharded_helpers import (  # noqa: E402
     weights_finite,
 )
 
-from helpers import QUIET, ledger_state, tree_digest  # noqa: E402
+from helpers import QUIET, ledger_state, run_scenarios, tree_digest  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -198,7 +198,6 @@ def scenarios(kind: str) -> dict[str, Scenario]:
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
     only = set(sys.argv[3:])
-    results: dict[str, Any] = {}
     if kind != "fsdp2":
         import deepspeed_shim
 
@@ -206,15 +205,7 @@ def main() -> None:
             with open(os.path.join(out, "rank0.json"), "w") as f:
                 json.dump({"unavailable": deepspeed_shim.DEEPSPEED_UNAVAILABLE}, f)
             return
-    for name, scenario in scenarios(kind).items():
-        if only and name not in only:
-            continue
-        results[name] = scenario(out)
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    run_scenarios(scenarios(kind), out, only)
 
 
 if __name__ == "__main__":
