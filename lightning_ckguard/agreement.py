@@ -38,6 +38,7 @@ class RankReport:
 
     @classmethod
     def from_summary(cls, rank: int, row: Sequence[int]) -> RankReport:
+        """Read one rank's gathered summary vector (see :meth:`NonFiniteWindow.summary`)."""
         return cls(
             rank=rank,
             non_finite_steps=row[w.APPLIED],
@@ -52,15 +53,18 @@ class RankReport:
         )
 
     def counted_steps(self, count_skipped_steps: bool) -> int:
+        """Non-finite steps that count against this rank: applied ones, plus skipped ones if they count."""
         return self.non_finite_steps + (self.skipped_steps if count_skipped_steps else 0)
 
     def step_range(self, count_skipped_steps: bool) -> tuple[int, int]:
+        """First and last counted non-finite step, ``-1`` where there is none."""
         firsts = [self.first_step] + ([self.first_skipped_step] if count_skipped_steps else [])
         lasts = [self.last_step] + ([self.last_skipped_step] if count_skipped_steps else [])
         valid_firsts = [s for s in firsts if s >= 0]
         return (min(valid_firsts) if valid_firsts else -1, max(lasts))
 
     def rejects(self, count_skipped_steps: bool) -> bool:
+        """Whether this rank's window rejects the boundary."""
         return self.pending_rejection or self.counted_steps(count_skipped_steps) > 0
 
 
@@ -103,12 +107,14 @@ class Verdict:
 
     @property
     def first_step(self) -> int:
+        """First counted non-finite optimizer step on any rank, ``-1`` if none."""
         firsts = [r.step_range(self.count_skipped_steps)[0] for r in self.reports]
         valid = [s for s in firsts if s >= 0]
         return min(valid) if valid else -1
 
     @property
     def last_step(self) -> int:
+        """Last counted non-finite optimizer step on any rank, ``-1`` if none."""
         return max((r.step_range(self.count_skipped_steps)[1] for r in self.reports), default=-1)
 
     @property

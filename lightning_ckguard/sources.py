@@ -88,6 +88,7 @@ class ParameterGradients:
 
     @property
     def parameter_names(self) -> list[str]:
+        """Name of each parameter index: the module's names, then positional names for other parameters."""
         return self._parameters.names
 
     def _params_of(self, optimizer: Any) -> list[tuple[int, Tensor]]:
@@ -100,6 +101,7 @@ class ParameterGradients:
         return cached[1]
 
     def local_gradients(self, optimizer: Any | None = None) -> tuple[tuple[int, ...], list[Tensor]]:
+        """``param.grad`` (its local shard for a DTensor) of every parameter ``optimizer`` steps that has one."""
         params = self._module_params if optimizer is None else self._params_of(optimizer)
         indices: list[int] = []
         grads: list[Tensor] = []
