@@ -1,0 +1,205 @@
+"""The fault matrix: strategy x faulty rank x boundary, on two real CPU processes (gloo).
+
+Every cell trains 4 optimizer steps with a NaN planted at step 3 on the faulty ranks (or nowhere), so the first
+boundary that would write after it is at global step 4 (see ``tests/workers/fault_matrix.py``). The expected outcome,
+on every rank: no fault, no error and the checkpoints written; a fault, the same ``NonFiniteGradientError`` fields on
+every rank, the checkpoint directory byte-identical to the snapshot taken right before the faulty step, and the
+callback's state unchanged. Each strategy runs its 16 cells in one process group (one worker launch) with a 60 s
+collective timeout, and a wall-clock timeout on top, so a hang fails instead of stalling CI.
+
+``test_matrix_table`` prints the whole matrix (run with ``-s`` to see it) and writes it to ``matrix.md`` in its
+temporary directory. DeepSpeed cells skip when DeepSpeed is not importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from typing import Any
+
+import pytest
+from sharded_helpers import FAULT_PARAMETERS
+
+from conftest import run_ranks
+
+STRATEGIES = ["ddp", "zero1", "ds2", "ds3", "fsdp2"]
+DEEPSPEED = {"ds2", "ds3"}
+FAULTY = ["none", "0", "1", "all"]
+BOUNDARIES = ["periodic", "val_topk", "last", "final"]
+SENTINEL = "earlier-run.txt"  # placed in the `final` directory before the fit, by rank 0
+FAULT_STEP = 3
+WORKER_TIMEOUT = 280  # per strategy (16 cells); each collective times out after 60 s inside
+
+# top-level names in the checkpoint directory: before the fault (= after a rejection) and after a finite run
+BEFORE_FAULT = {
+    "periodic": {"step=2.ckpt"},
+    "val_topk": {"epoch=0.ckpt"},
+    "last": {"last.ckpt"},
+    "final": {SENTINEL},
+}
+FINITE = {
+    "periodic": {"step=4.ckpt"},  # step=2 evicted
+    "val_topk": {"epoch=1.ckpt"},  # epoch=0 evicted
+    "last": {"last.ckpt"},
+    "final": {SENTINEL, "last.ckpt"},  # written at train end
+}
+
+# the boundary that decides at global step 4 (the last agreement of the run, rejecting or accepting)
+DECIDED_AT = {
+    "periodic": "train batch end",
+    # validation runs once per epoch, before the epoch ends: ModelCheckpoint decides the top-K at train epoch end
+    "val_topk": "train epoch end",
+    "last": "train batch end",
+    "final": "train end",
+}
+
+_cache: dict[str, list[dict[str, Any]] | str] = {}  # results, or why they are unavailable (a skip)
+_failed: dict[str, str] = {}
+
+
+def expected_error(strategy: str, faulty: str) -> dict[str, Any]:
+    if strategy in ("ddp", "zero1"):
+        # the NaN is written after the all-reduce: exactly the faulty ranks hold it
+        ranks = {"0": [0], "1": [1], "all": [0, 1]}[faulty]
+        parameters, skipped = ["layer.weight"], 0
+    else:
+        # planted in the faulty ranks' local contribution, the reduction puts it in rank 1's partition or shard
+        ranks, parameters, skipped = [1], FAULT_PARAMETERS, 0
+        if strategy == "ds3":
+            # DeepSpeed skips the step on every rank; count_skipped_steps=True makes the skip reject
+            ranks, skipped = [0, 1], 1
+    return {
+        "ranks": ranks,
+        "first_step": FAULT_STEP,
+        "last_step": FAULT_STEP,
+        "num_steps": 1,
+        "global_step": FAULT_STEP + 1,
+        "parameters": parameters,
+        "skipped_steps": skipped,
+        "pending_rejection": False,
+    }
+
+
+def _deepspeed_missing() -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install deepspeed): the DeepSpeed cells need it"
+    return None
+
+
+def _run(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]] | str:
+    """Both ranks' results for the 16 cells of ``strategy``, or why they are unavailable."""
+    if strategy in DEEPSPEED and (reason := _deepspeed_missing()):
+        return reason
+    out = tmp_path_factory.mktemp(f"matrix-{strategy}")
+    proc = run_ranks("workers/fault_matrix.py", [strategy, str(out)], timeout=WORKER_TIMEOUT)
+    (out / "output.txt").write_text(proc.stdout)  # both ranks' output, for a cell that failed unexpectedly
+    rank0 = out / "rank0.json"
+    assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+    unavailable = json.loads(rank0.read_text()).get("unavailable")
+    if unavailable:
+        return unavailable
+    results = []
+    for rank in (0, 1):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return results
+
+
+def results_for(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]] | str:
+    """Run once per session; a worker that failed (or hung) fails its other cells at once instead of rerunning."""
+    if strategy not in _failed and strategy not in _cache:
+        try:
+            _cache[strategy] = _run(strategy, tmp_path_factory)
+        except (AssertionError, pytest.fail.Exception) as error:
+            _failed[strategy] = str(error)
+            raise
+    if strategy in _failed:
+        pytest.fail(f"the {strategy} worker failed: {_failed[strategy][:4000]}")
+    return _cache[strategy]
+
+
+def _top(tree: dict[str, Any]) -> set[str]:
+    return {name for name in tree if "/" not in name}
+
+
+def check_cell(strategy: str, faulty: str, boundary: str, ranks: list[dict[str, Any]]) -> str:
+    """Assert the expected outcome of one cell on every rank; return it in words for the table."""
+    cell = f"{faulty}-{boundary}"
+    results = [r.get(cell) for r in ranks]
+    assert all(r is not None for r in results), f"{strategy} {cell}: a rank did not finish the cell"
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert not (error and "unexpected" in error), f"rank {rank}: {error['unexpected']}\n{error['trace']}"
+        assert result["global_step"] == FAULT_STEP + 1, f"rank {rank}: stopped at {result['global_step']}"
+    assert results[0]["state"] == results[1]["state"], "the ranks disagree on the callback state"
+    report = results[0]["report"]
+    assert results[1]["report"] == report, "the ranks disagree on the last boundary's report"
+    assert report is not None, "no boundary agreed"
+    assert (report["boundary"], report["global_step"]) == (DECIDED_AT[boundary], FAULT_STEP + 1), report
+    assert report["accepted"] == (faulty == "none"), report
+    tree = results[0]["tree"]
+    if faulty == "none":
+        for rank, result in enumerate(results):
+            assert result["error"] is None, f"rank {rank}: {result['error']}"
+        assert _top(tree) == FINITE[boundary], sorted(tree)
+        written = sorted(_top(tree) - {SENTINEL})
+        assert written, "a finite run wrote nothing"
+        return f"saved {', '.join(written)} at {report['boundary']}"
+    errors = [result["error"] for result in results]
+    assert errors[0] == errors[1], f"the ranks raised different errors: {errors}"
+    assert errors[0] == expected_error(strategy, faulty), errors[0]
+    for rank, result in enumerate(results):
+        before = result["snapshot"]
+        assert before is not None, f"rank {rank}: no snapshot before the faulty step"
+        assert result["state"] == before["state"], f"rank {rank}: callback state changed"
+    assert tree == results[0]["snapshot"]["tree"], "checkpoint directory changed"
+    assert _top(tree) == BEFORE_FAULT[boundary], sorted(tree)
+    skipped = ", skip counted" if errors[0]["skipped_steps"] else ""
+    return f"rejected at {report['boundary']} on both, ranks={errors[0]['ranks']}{skipped}; unchanged"
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+@pytest.mark.parametrize("faulty", FAULTY)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cell(tmp_path_factory, strategy, faulty, boundary):
+    ranks = results_for(strategy, tmp_path_factory)
+    if isinstance(ranks, str):
+        pytest.skip(ranks)
+    check_cell(strategy, faulty, boundary, ranks)
+
+
+@pytest.mark.timeout(len(STRATEGIES) * (WORKER_TIMEOUT + 20))  # when run alone, it runs every strategy
+def test_matrix_table(tmp_path_factory, tmp_path):
+    failures = []
+    lines = [
+        "| strategy | faulty rank | " + " | ".join(BOUNDARIES) + " |",
+        "|---|---|" + "---|" * len(BOUNDARIES),
+    ]
+    for strategy in STRATEGIES:
+        try:
+            ranks: list[dict[str, Any]] | str | None = results_for(strategy, tmp_path_factory)
+        except (AssertionError, pytest.fail.Exception) as error:
+            failures.append(f"{strategy}: the worker failed: {error}")
+            ranks = None
+        for faulty in FAULTY:
+            row = []
+            for boundary in BOUNDARIES:
+                if ranks is None:
+                    row.append("**FAIL** the worker failed")
+                    continue
+                if isinstance(ranks, str):
+                    row.append(f"skipped ({ranks})")
+                    continue
+                try:
+                    row.append(check_cell(strategy, faulty, boundary, ranks))
+                except AssertionError as error:
+                    failures.append(f"{strategy} {faulty} {boundary}: {error}")
+                    row.append("**FAIL** " + str(error).splitlines()[0][:80])
+            lines.append(f"| {strategy} | {faulty} | " + " | ".join(row) + " |")
+    table = "\n".join(lines) + "\n"
+    (tmp_path / "matrix.md").write_text(table)
+    print(f"\nfault matrix ({tmp_path / 'matrix.md'}):\n{table}")
+    assert not failures, "\n".join(failures)
+
