@@ -120,8 +120,13 @@ def test_every_cpu_read_path_is_exact(shape, value):
         assert NonFiniteCheck()([torch.ones(3), grad, other], cpu).tolist() == [False, True, True]
 
 
-def test_reduced_fp32_matmul_precision_stays_exact(monkeypatch):
+def test_reduced_fp32_matmul_precision_stays_exact():
     # bf16 matmuls would turn fp32 max into inf: the check must not use them
-    monkeypatch.setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16")
-    big = torch.full((1 << 20,), torch.finfo(torch.float32).max)
-    assert not NonFiniteCheck()([big], torch.device("cpu")).any()
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"  # a property of a torch backend object: set and restore by hand
+    try:
+        big = torch.full((1 << 20,), torch.finfo(torch.float32).max)
+        assert not NonFiniteCheck()([big], torch.device("cpu")).any()
+    finally:
+        matmul.fp32_precision = before
