@@ -221,7 +221,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             return
         verdict = self._agree(trainer, name)
         if not verdict.accepted:
-            self._reject(trainer, name, during_exception)
+            self._reject(trainer, during_exception)
             return
         remove = partial(ModelCheckpoint._remove_checkpoint, self, trainer)
         self._publication.publish(self, hook, rollback_to=proposal.before, remove=remove)
@@ -252,7 +252,8 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
-    def _reject(self, trainer: pl.Trainer, boundary: str, during_exception: bool) -> None:
+    def _reject(self, trainer: pl.Trainer, during_exception: bool) -> None:
+        # the boundary's name is in the report that _agree just made
         assert self._last_report is not None
         report = self._last_report
         error = report.to_error()
@@ -298,7 +299,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
                 self._guard.reset()
                 return True
             if running and not trainer.interrupted:
-                self._reject(trainer, f"a save to {filepath}", during_exception=False)
+                self._reject(trainer, during_exception=False)
                 return False  # "skip" or "stop": the write is skipped
             self._rejection = verdict.to_error()
         if running:

@@ -61,7 +61,7 @@ class DeepSpeedGradients:
         self.engine = engine
         module = module if module is not None else engine.module
         self._parameters = ParameterIndex(module)
-        self._fallback = ParameterGradients(module)
+        self._fallback = ParameterGradients(module, self._parameters)  # ZeRO-0: same indices and names
         self._group_indices: dict[tuple[str, int], int] = {}
 
     @property

@@ -80,8 +80,9 @@ class ParameterGradients:
 
     defers_skip_outcome = False
 
-    def __init__(self, module: nn.Module) -> None:
-        self._parameters = ParameterIndex(module)
+    def __init__(self, module: nn.Module, parameters: ParameterIndex | None = None) -> None:
+        # ``parameters``: an index to share with another source of the same module, so both use the same indices
+        self._parameters = parameters if parameters is not None else ParameterIndex(module)
         self._module_params: list[tuple[int, Tensor]] = [(self._parameters.add(p), p) for p in module.parameters()]
         # per optimizer: (group sizes when cached, [(index, param)]); rebuilt when param groups change
         self._optimizer_params: dict[int, tuple[tuple[int, ...], list[tuple[int, Tensor]]]] = {}
