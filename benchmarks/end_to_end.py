@@ -18,7 +18,10 @@ Rows:
   MC + SpikeDetection             Lightning's loss-spike callback (loss only, gradients are not looked at)
   MC + detect_anomaly=True        autograd anomaly mode
 
-    python benchmarks/end_to_end.py                                  # both models, ~3-4 min on 2 cores
+The paired runs (``--paired-steps``) are the precise figure: one fit alternates the guard's hooks and
+``ModelCheckpoint``'s alone step by step, and a null control alternates nothing.
+
+    python benchmarks/end_to_end.py                                  # both models, ~8 min on 2 cores
     python benchmarks/end_to_end.py --models mlp --repeats 5 --steps 30
 """
 
@@ -164,6 +167,46 @@ def run(model_name: str, config: str, steps: int, warmup: int, root: str) -> lis
     return timer.steps(warmup)
 
 
+def paired(
+    model_name: str, steps: int, warmup: int, root: str, guard_even_steps: bool = True
+) -> tuple[list[float], list[float], list[float]]:
+    """One ``FiniteGradCheckpoint`` run whose per-step hooks alternate: even steps run the guard's own hooks, odd
+    steps only ``ModelCheckpoint``'s (no recording). Neighbouring steps share the machine's state of the moment, so
+    the ratio of a guarded step to the mean of its two unguarded neighbours is free of the drift that dominates
+    run-to-run comparisons. ``guard_even_steps=False`` is the null control: every step runs ``ModelCheckpoint``'s
+    hooks only, so its ratio shows what the method reads when nothing differs. Returns (even step times, odd step
+    times, per-step ratios)."""
+    seed_everything(0, verbose=False)
+    model = TinyLM() if model_name == "transformer" else MLP()
+    checkpoint = FiniteGradCheckpoint(dirpath=f"{root}/{model_name}-paired", every_n_train_steps=10**9)
+    record, batch_end = checkpoint.on_before_optimizer_step, checkpoint.on_train_batch_end
+
+    def alternating_record(trainer, pl_module, optimizer) -> None:
+        if guard_even_steps and trainer.global_step % 2 == 0:
+            record(trainer, pl_module, optimizer)
+
+    def alternating_batch_end(trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # the optimizer step has already advanced global_step
+        if guard_even_steps and (trainer.global_step - 1) % 2 == 0:
+            batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        else:
+            ModelCheckpoint.on_train_batch_end(checkpoint, trainer, pl_module, outputs, batch, batch_idx)
+
+    checkpoint.on_before_optimizer_step = alternating_record  # type: ignore[method-assign]
+    checkpoint.on_train_batch_end = alternating_batch_end  # type: ignore[method-assign]
+    timer = StepTimer()
+    warmup += warmup % 2  # so that timed step 0 is an even (guarded) step
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[timer, checkpoint], default_root_dir=root, num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, data(model_name, warmup + steps))
+    times = timer.steps(warmup)
+    ratios = [times[i] / ((times[i - 1] + times[i + 1]) / 2) for i in range(2, len(times) - 1, 2)]
+    return times[0::2], times[1::2], ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["transformer", "mlp"], choices=["transformer", "mlp"])
@@ -172,6 +215,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="timed steps per run (default: 6 transformer, 25 mlp)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--paired-steps", type=int, default=-1,
+                        help="steps of the alternating paired run (default: 40 transformer, 200 mlp; 0: skip it)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -196,6 +241,20 @@ def main() -> None:
                 share = median(RECORDING) / base
                 print(f"\nThe guard's recording hook, timed inside the same steps: median {ms(median(RECORDING))} ms "
                       f"per step = {share:.2%} of the median ModelCheckpoint step (implied ratio {1 + share:.3f}).")
+            paired_steps = args.paired_steps if args.paired_steps >= 0 else (40 if model_name == "transformer" else 200)
+            if paired_steps:
+                guarded, plain, ratios = paired(model_name, paired_steps, args.warmup, root)
+                _, _, null = paired(model_name, paired_steps, args.warmup, root, guard_even_steps=False)
+                print(f"\nPaired runs, {paired_steps} steps each ({len(ratios)} pairs: an even step against the mean "
+                      "of its two odd neighbours):\n")
+                print(table(
+                    ["run", "even-step median ms", "odd-step median ms", "median paired ratio"],
+                    [["guard on even steps, ModelCheckpoint alone on odd", ms(median(guarded)), ms(median(plain)),
+                      f"{median(ratios):.4f}"],
+                     ["null control: ModelCheckpoint alone on every step", "", "", f"{median(null):.4f}"]],
+                ))
+                print(f"\n**Paired step-time ratio, FiniteGradCheckpoint / ModelCheckpoint: {median(ratios):.4f}** "
+                      f"(null control {median(null):.4f}; corrected {median(ratios) / median(null):.4f}).")
             print()
 
 

@@ -1,8 +1,10 @@
-"""Argument checks at construction: a clear ``ValueError`` that names the argument."""
+"""Argument checks at construction (a clear ``ValueError`` that names the argument), and the check at setup that
+``dirpath`` can be written to."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from datetime import timedelta
 from typing import Any
 
@@ -48,3 +50,24 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         _check_type(count, arguments[count], (int,), "an int or None", True)
     _check_type("train_time_interval", arguments["train_time_interval"], (timedelta,), "a datetime.timedelta or None",
                 True)
+
+
+def unwritable_dirpath_error(dirpath: str, rank: int, global_step: int) -> PermissionError | None:
+    """Try to create, and remove, an entry where checkpoints will go: in ``dirpath`` if it exists, otherwise in its
+    nearest existing ancestor, where the missing directories would be created. Returns the error to raise, if any.
+
+    A real attempt rather than ``os.access``, which says yes to root (tests, containers) whatever the filesystem
+    allows, and which cannot see read-only mounts or immutable directories.
+    """
+    target = os.path.abspath(dirpath)
+    while not os.path.exists(target) and os.path.dirname(target) != target:
+        target = os.path.dirname(target)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ckguard-probe-", dir=target))
+    except OSError as error:
+        return PermissionError(
+            f"FiniteGradCheckpoint cannot write checkpoints to dirpath {dirpath!r} (rank {rank}, at global step "
+            f"{global_step}, before training starts): creating an entry in {target!r} failed: "
+            f"{error.strerror or error}."
+        )
+    return None

@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
+from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_ckguard._validation import validate_arguments
+from lightning_ckguard._validation import unwritable_dirpath_error, validate_arguments
 from lightning_ckguard.agreement import Verdict
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
@@ -34,11 +37,21 @@ from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.seal import PublicationSeal, agree_on_write
 from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.sources import gradient_source_for
-from lightning_ckguard.staging import discard, move_into_place, recover, staging_path, writes_directories
+from lightning_ckguard.staging import (
+    discard,
+    is_local,
+    move_into_place,
+    recover,
+    staging_path,
+    writes_directories,
+)
+from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision
 
 log = logging.getLogger(__name__)
 
 NonFinitePolicy = Literal["raise", "skip", "stop"]
+
+_warnings = WarningCache()
 
 #: Version of the callback state this release writes; states without one are ``ModelCheckpoint``'s format (version 1).
 STATE_FORMAT_VERSION = 1
@@ -126,6 +139,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         self._last_verdict: Verdict | None = None
         self._last_report: BoundaryReport | None = None
         self._counts = {"accepted": 0, "rejected": 0}
+        self._vote: TopKVote | None = None
 
     @property
     def rejection(self) -> NonFiniteGradientError | None:
@@ -157,11 +171,15 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         self._trainer = trainer
         PublicationSeal.install(trainer, self)
-        if trainer.is_global_zero and self.dirpath is not None:
+        if trainer.is_global_zero and self.dirpath is not None and is_local(self._fs):
             for action in recover(str(self.dirpath)):  # what a crash during an earlier publication left behind
                 rank_zero_warn(f"FiniteGradCheckpoint {action}.")
         if getattr(trainer.strategy, "world_size", 1) > 1:
             trainer.strategy.barrier("FiniteGradCheckpoint.recover")  # every rank restores from the recovered files
+        if stage == "fit" and self.dirpath is not None and is_local(self._fs):
+            # every rank, as every rank writes its part of a directory checkpoint: fail now, not at the first save
+            failure = unwritable_dirpath_error(str(self.dirpath), trainer.global_rank, trainer.global_step)
+            agree_on_write(trainer.strategy, failure, str(self.dirpath))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after the strategy wrapped the model and built the optimizers, so parameter identities are final
@@ -215,6 +233,14 @@ class FiniteGradCheckpoint(ModelCheckpoint):
     ) -> None:
         if self._rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
+        try:
+            self._publish_if_agreed(trainer, name, hook, during_exception)
+        finally:
+            self._vote = None  # the top-K vote belongs to this boundary: the next one takes its own
+
+    def _publish_if_agreed(
+        self, trainer: pl.Trainer, name: str, hook: Callable[[], None], during_exception: bool
+    ) -> None:
         proposal = self._publication.propose(self, hook)
         if not proposal.publishes:
             proposal.adopt(self)  # bookkeeping and log lines only (deferrals, timers), exactly as ModelCheckpoint
@@ -318,17 +344,18 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             return
         if self._publication.publishing:
             self._publication.note_write(filepath, existed=trainer.is_global_zero and self._fs.exists(filepath))
-            if writes_directories(trainer.strategy):
-                self._save_directory(trainer, filepath)
+            if is_local(self._fs) or writes_directories(trainer.strategy):
+                self._save_staged(trainer, filepath)
                 return
         super()._save_checkpoint(trainer, filepath)
 
-    def _save_directory(self, trainer: pl.Trainer, filepath: str) -> None:
-        """Every rank writes into a staging sibling; rank 0 moves it into place once all ranks are done."""
+    def _save_staged(self, trainer: pl.Trainer, filepath: str) -> None:
+        """``ModelCheckpoint._save_checkpoint``, publishing atomically: every rank writes into a staging sibling
+        (Lightning's own write path, unchanged), and rank 0 moves it into place once all ranks are done."""
         staging = staging_path(filepath)
         try:
             # ends with Lightning's post-save barrier; a failure on any rank raises on every rank (the seal)
-            super()._save_checkpoint(trainer, staging)
+            trainer.save_checkpoint(staging, self.save_weights_only)
         except BaseException:
             if trainer.is_global_zero:
                 discard(staging)
@@ -340,7 +367,46 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             except Exception as error:
                 failure = error
         agree_on_write(trainer.strategy, failure, filepath)  # also the barrier: nobody links or evicts before this
+        self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:  # after the rename, so a logger that uploads the file finds it
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, Tensor]:
+        """``ModelCheckpoint``'s candidates, after every rank voted on the monitored value (one collective).
+
+        ``ModelCheckpoint`` asks for the candidates only where it will consider saving, at the same point on every
+        rank. Its next steps branch on whether the monitored key is there: deferring to validation, warning,
+        raising, or taking part in the top-K vote. A key missing on some ranks only would send them down different
+        branches, and the others would wait in a collective they never join. After this vote the key is either
+        present on every rank or removed on every rank, and :meth:`check_monitor_top_k` answers from the vote.
+        """
+        candidates = super()._monitor_candidates(trainer)
+        if self.monitor is None:
+            return candidates
+        if not (self._publication.publishing and self._vote is not None):  # the dry run took it; reuse it
+            current = candidates.get(self.monitor)
+            improves = local_top_k_decision(
+                current, self.best_k_models, self.kth_best_model_path, self.save_top_k, self.mode
+            )
+            self._vote = agree_on_top_k(trainer.strategy, present=current is not None, improves=improves)
+            missing = self._vote.missing_ranks
+            if missing and len(missing) < trainer.world_size:
+                _warnings.warn(
+                    f"`FiniteGradCheckpoint(monitor={self.monitor!r})`: the monitored key is missing from the logged "
+                    f"metrics of rank(s) {list(missing)} at global step {trainer.global_step}, so every rank treats it "
+                    f"as missing. HINT: log it on every rank (not with `rank_zero_only=True`)."
+                )
+        if self._vote.missing_ranks:
+            candidates.pop(self.monitor, None)
+        return candidates
+
+    def check_monitor_top_k(self, trainer: pl.Trainer, current: Tensor | None = None) -> bool:
+        """Whether ``current`` enters the top K: the vote every rank took with the candidates, when there is one."""
+        if self._vote is None or current is None:
+            return super().check_monitor_top_k(trainer, current)
+        return self._vote.improves
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         if self._publication.planning:
@@ -354,9 +420,18 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         if self._publication.planning:
             self._publication.plan("link", linkpath, target=filepath)
             return
-        if self._publication.publishing:
-            self._publication.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
-        ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+        if not self._publication.publishing:
+            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+            return
+        self._publication.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
+        if not is_local(self._fs):
+            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+            return
+        # the link is made beside `linkpath` (same relative target) and renamed over it: `last` is never missing
+        staging = staging_path(linkpath)
+        ModelCheckpoint._link_checkpoint(trainer, filepath, staging)  # rank 0 links, then a barrier
+        if trainer.is_global_zero:
+            move_into_place(staging, linkpath)
 
     # ------------------------------------------------------------------ resuming
 
@@ -379,6 +454,22 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             )
         super().load_state_dict({key: value for key, value in state_dict.items() if key != _FORMAT_KEY})
         self._drop_missing_checkpoints()
+
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """Candidates for ``ckpt_path="last"``, found after resolving what an interrupted publication left behind.
+
+        Lightning resolves ``"last"`` on every rank before any callback's ``setup``, so ``setup``'s recovery would be
+        too late: a crash while ``last`` was being replaced leaves it renamed aside, and the run would start from
+        scratch. Every rank recovers here (``recover`` tolerates running concurrently), then lists as usual.
+        """
+        # without a `dirpath` argument the directory comes from the logger, as ModelCheckpoint resolves it
+        resolve_dirpath = self._ModelCheckpoint__resolve_ckpt_dir  # type: ignore[attr-defined]
+        dirpath = self.dirpath if self.dirpath is not None else resolve_dirpath(trainer)
+        if is_local(self._fs):
+            actions = recover(str(dirpath))
+            if actions:  # whichever rank got there first did it: that rank says so
+                warnings.warn(f"FiniteGradCheckpoint (rank {trainer.global_rank}) {'; '.join(actions)}.", stacklevel=2)
+        return super()._find_last_checkpoints(trainer)
 
     def _drop_missing_checkpoints(self) -> None:
         """Forget ledger entries whose checkpoint is gone (deleted by hand, lost in a crash), with a warning.

@@ -73,12 +73,19 @@ class PublicationSeal:
         strategy.save_checkpoint = write_holding_failure
         try:
             self._save_checkpoint(filepath, weights_only=weights_only, storage_options=storage_options)
+            agree_on_write(strategy, failure, str(filepath))
+        except Exception as error:
+            # A strategy whose save runs collectives after the failing rank's failure point (DeepSpeed ends its save
+            # with a barrier) leaves the others waiting there until the strategy's timeout, and this rank's barrier
+            # or agreement then fails too. This rank's own failure is the error worth reporting.
+            if failure is None or error is failure:
+                raise
+            raise failure from error
         finally:
             if shadowed:
                 strategy.save_checkpoint = write
             else:
                 del strategy.save_checkpoint
-        agree_on_write(strategy, failure, str(filepath))
 
 
 def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> None:

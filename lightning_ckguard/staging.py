@@ -1,12 +1,15 @@
-"""Atomic publication of directory checkpoints (DeepSpeed, FSDP2 distributed checkpoints, sharded FSDP).
+"""Atomic publication of checkpoints on a local filesystem: files, directories (DeepSpeed, FSDP2 distributed
+checkpoints, sharded FSDP) and ``last`` links.
 
-A single-file checkpoint is already written atomically: Lightning serializes it in memory and writes it through an
-fsspec transaction. A directory is written by every rank, file by file, so a crash mid-save would leave a partial
-directory under the final name. Instead every rank writes into a hidden staging sibling; after Lightning's
-post-save barrier rank 0 moves it into place (one ``rename``), and only then are evictions and links performed.
+A directory is written by every rank, file by file, so a crash mid-save would leave a partial directory under the
+final name. A single file is serialized in memory by Lightning and written through an fsspec transaction, but that
+transaction writes a temporary file in ``$TMPDIR`` and *moves* it into place: when ``$TMPDIR`` is on another
+filesystem than the checkpoint, the move is a copy, and a crash during it leaves a truncated file under the final
+name. So every write goes to a hidden staging sibling in the same directory; once every rank is done (Lightning's
+post-save barrier), rank 0 moves it into place with one ``rename``, and only then are evictions and links performed.
 
-A crash leaves at worst a staging directory, or a retired copy of the checkpoint being replaced; both are resolved
-by :func:`recover` when training starts again.
+A crash leaves at worst a staging entry, or a retired copy of the checkpoint being replaced; both are resolved by
+:func:`recover` when training starts again (before ``ckpt_path="last"`` is resolved, and in ``setup``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import os
 import shutil
 from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
 
 STAGING_SUFFIX = ".ckguard-staging"
 RETIRED_SUFFIX = ".ckguard-retired"
@@ -38,6 +43,11 @@ def staging_path(filepath: str) -> str:
 def _retired_path(filepath: str) -> str:
     head, tail = os.path.split(filepath)
     return os.path.join(head, f".{tail}{RETIRED_SUFFIX}")
+
+
+def is_local(fs: Any) -> bool:
+    """Whether ``fs`` (an fsspec filesystem) is the local one, where ``rename`` publishes atomically."""
+    return isinstance(fs, LocalFileSystem)
 
 
 def _remove(path: str) -> None:
@@ -69,26 +79,32 @@ def discard(staging: str) -> None:
 def recover(dirpath: str) -> list[str]:
     """Resolve what an interrupted publication left in ``dirpath``; return one line per action, for a warning.
 
-    A staging directory was never published: it is removed. A retired checkpoint whose replacement never arrived is
+    A staging entry was never published: it is removed. A retired checkpoint whose replacement never arrived is
     restored under its name; one whose replacement did arrive is removed.
+
+    Safe to run on several ranks at once on a shared filesystem while nothing is being written (before training
+    starts): an entry another rank already resolved is skipped, so every rank ends up seeing the same directory.
     """
     if not os.path.isdir(dirpath):
         return []
     actions: list[str] = []
     for name in sorted(os.listdir(dirpath)):
         path = os.path.join(dirpath, name)
-        if name.startswith(".") and name.endswith(STAGING_SUFFIX):
-            _remove(path)
-            actions.append(f"removed the unpublished partial checkpoint {path}")
-        elif name.startswith(".") and name.endswith(RETIRED_SUFFIX):
-            original = os.path.join(dirpath, name[1 : -len(RETIRED_SUFFIX)])
-            if os.path.lexists(original):
+        try:
+            if name.startswith(".") and name.endswith(STAGING_SUFFIX):
                 _remove(path)
-                actions.append(f"removed {path}, replaced by {original}")
-            else:
-                os.replace(path, original)
-                actions.append(f"restored {original}, whose replacement was interrupted")
+                actions.append(f"removed the unpublished partial checkpoint {path}")
+            elif name.startswith(".") and name.endswith(RETIRED_SUFFIX):
+                original = os.path.join(dirpath, name[1 : -len(RETIRED_SUFFIX)])
+                if os.path.lexists(original):
+                    _remove(path)
+                    actions.append(f"removed {path}, replaced by {original}")
+                else:
+                    os.replace(path, original)
+                    actions.append(f"restored {original}, whose replacement was interrupted")
+        except FileNotFoundError:
+            continue  # another rank resolved this entry first
     return actions
 
 
-__all__ = ["discard", "move_into_place", "recover", "staging_path", "writes_directories"]
+__all__ = ["discard", "is_local", "move_into_place", "recover", "staging_path", "writes_directories"]

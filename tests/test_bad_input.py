@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -69,3 +71,27 @@ def test_corrupted_files_in_dirpath_are_never_overwritten_by_a_fresh_run(tmp_pat
     _fit(FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1))
     assert (tmp_path / "epoch=0-step=2.ckpt").read_bytes() == b"not a checkpoint"
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=2-v1.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nothing can be created in, even by root: ``chattr +i`` (tests often run as root in CI)."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("needs `chattr +i` (e2fsprogs, CAP_LINUX_IMMUTABLE) to make a directory unwritable for root")
+    try:
+        yield path
+    finally:
+        subprocess.run([chattr, "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("where", ["dirpath", "its parent"])
+def test_an_unwritable_dirpath_is_an_error_before_training_starts(read_only_dir, where):
+    dirpath = read_only_dir if where == "dirpath" else read_only_dir / "checkpoints"
+    callback = FiniteGradCheckpoint(dirpath=dirpath, every_n_train_steps=2)
+    with pytest.raises(PermissionError, match=r"cannot write checkpoints to dirpath .*read-only.*rank 0") as error:
+        _fit(callback)
+    assert "global step 0" in str(error.value)  # at setup: no training time is lost before the first save
+    assert os.listdir(read_only_dir) == []

@@ -1,47 +1,176 @@
-"""``kill -9`` during a directory checkpoint save (FSDP2, two real processes): every published name is a complete
-checkpoint, and ``ckpt_path="last"`` resumes from the newest complete one."""
+"""``kill -9`` of one rank and of all ranks at points of a checkpoint save, on two real processes (gloo, CPU):
+single files (DDP), DeepSpeed ZeRO-2 directories and FSDP2 distributed-checkpoint directories.
+
+After every crash, every published name is a complete checkpoint that loads, a surviving rank failed instead of
+hanging, and ``ckpt_path="last"`` resumes from the newest complete ``last``; after the resume no ledger entry
+points at a missing file and nothing the crash left is still there. The worker is ``workers/crash_scenarios.py``.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import tempfile
+import time
 
 import pytest
+import torch
 
 from conftest import run_ranks
+
+PHASES = ("rank1-before", "rank0-during", "all-during", "all-after", "rank0-between-renames")
+# the ranks that survive each phase, and must have failed instead of hanging
+SURVIVORS = {"rank1-before": [0], "rank0-during": [1], "all-during": [], "all-after": [], "rank0-between-renames": [1]}
+# a rank that writes nothing (DDP rank 1) dies at the post-save barrier in "all-during"; it never opens a file
+BEFORE_STEP_4 = ["last.ckpt", "step=2.ckpt"]
 
 
 def _published(dirpath: str) -> list[str]:
     return sorted(name for name in os.listdir(dirpath) if not name.startswith("."))
 
 
-def _complete(path: str) -> bool:
-    # a distributed checkpoint is complete once the coordinator wrote `.metadata` and Lightning its `meta.pt`
-    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, "meta.pt"))
+def _loads(strategy: str, path: str) -> bool:
+    """Whether ``path`` is a complete checkpoint of ``strategy``'s format: every file it needs is there and loads."""
+    try:
+        if strategy == "ddp":
+            return "state_dict" in torch.load(path, map_location="cpu", weights_only=False)
+        if strategy == "fsdp2":
+            from torch.distributed.checkpoint import FileSystemReader
+
+            metadata = FileSystemReader(path).read_metadata()
+            shards = {info.relative_path for info in metadata.storage_data.values()}
+            torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+            return bool(shards) and all(os.path.getsize(os.path.join(path, shard)) > 0 for shard in shards)
+        # DeepSpeed: the tag named by `latest`, holding the model states and both ranks' optimizer partitions
+        with open(os.path.join(path, "latest")) as f:
+            tag_dir = os.path.join(path, f.read().strip())
+        names = os.listdir(tag_dir)
+        partitions = [[n for n in names if n.endswith(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")] for r in (0, 1)]
+        if "mp_rank_00_model_states.pt" not in names or not all(len(p) == 1 for p in partitions):
+            return False
+        needed = ["mp_rank_00_model_states.pt", *(p[0] for p in partitions)]
+        return all(torch.load(os.path.join(tag_dir, n), map_location="cpu", weights_only=False) for n in needed)
+    except Exception:
+        return False
 
 
-@pytest.mark.parametrize("phase", ["rank1-before-write", "all-after-write"])
-def test_a_crash_during_a_save_publishes_nothing_partial_and_resumes_from_last(tmp_path, phase):
-    crashed = run_ranks("workers/crash_scenarios.py", [str(tmp_path), phase], timeout=240)
-    assert not (tmp_path / "rank1.json").exists(), f"rank 1 was not killed:\n{crashed.stdout[-3000:]}"
-    if phase == "rank1-before-write":  # rank 0 survived, and its save failed instead of hanging
-        assert json.loads((tmp_path / "rank0.json").read_text())["error"]
-    dirpath = str(tmp_path / "ckpts")
-    assert _published(dirpath) == ["last.ckpt", "step=2.ckpt"], os.listdir(dirpath)
-    assert all(_complete(os.path.join(dirpath, name)) for name in _published(dirpath))
-    leftovers = [name for name in os.listdir(dirpath) if name.endswith(".ckguard-staging")]
-    # a surviving rank 0 discards the staging directory of its failed save; if all died, it is left for recovery
-    assert len(leftovers) == (1 if phase == "all-after-write" else 0)
+def _cross_device_tmpdir(reference: str) -> str | None:
+    """A temporary directory on another filesystem than ``reference``: fsspec then *copies* its temporary file."""
+    candidate = "/dev/shm"
+    if os.path.isdir(candidate) and os.access(candidate, os.W_OK):
+        if os.stat(candidate).st_dev != os.stat(reference).st_dev:
+            return tempfile.mkdtemp(prefix="ckguard-tmp-", dir=candidate)
+    return None
 
-    resumed = run_ranks("workers/crash_scenarios.py", [str(tmp_path), "resume"], timeout=240)
+
+def _crash(cell, strategy: str, phase: str, plain: bool = False):
+    env = {}
+    if strategy == "ddp":
+        tmpdir = _cross_device_tmpdir(str(cell))
+        if tmpdir is None and "during" in phase:
+            pytest.skip("needs a TMPDIR on another filesystem than the checkpoints (e.g. a tmpfs /dev/shm)")
+        env = {"TMPDIR": tmpdir} if tmpdir else {}
+    args = [str(cell), strategy, phase] + (["--plain"] if plain else [])
+    return run_ranks("workers/crash_scenarios.py", args, timeout=240, env=env)
+
+
+def _deepspeed_missing() -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install deepspeed)"
+    return None
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "fsdp2"])
+def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tmp_path, strategy):
+    if strategy == "deepspeed" and (reason := _deepspeed_missing()):
+        pytest.skip(reason)
+    cells = {phase: tmp_path / phase for phase in PHASES}
+    leftovers: dict[str, list[str]] = {}
+    for phase, cell in cells.items():
+        cell.mkdir()
+        crashed = _crash(cell, strategy, phase)
+        survivors = SURVIVORS[phase]
+        for rank in (0, 1):
+            result = cell / f"rank{rank}.json"
+            if rank in survivors:  # it failed in a collective with the dead rank, instead of hanging
+                assert result.exists(), f"{phase}: rank {rank} neither finished nor died:\n{crashed.stdout[-3000:]}"
+                assert json.loads(result.read_text())["error"], f"{phase}: rank {rank} did not see the crash"
+            else:
+                assert not result.exists(), f"{phase}: rank {rank} was not killed:\n{crashed.stdout[-3000:]}"
+        dirpath = str(cell / "ckpts")
+        published = _published(dirpath)
+        expected = BEFORE_STEP_4 + (["step=4.ckpt"] if phase == "rank0-between-renames" else [])
+        # between the renames of `last`, the old one is renamed aside: not published until recovery restores it
+        if phase == "rank0-between-renames":
+            expected.remove("last.ckpt")
+        assert published == expected, f"{phase}: {os.listdir(dirpath)}"
+        leftovers[phase] = sorted(name for name in os.listdir(dirpath) if name.startswith("."))
+        if phase in ("all-after", "rank0-between-renames"):  # written completely, never published
+            assert leftovers[phase], phase
+        incomplete = [name for name in published if not _loads(strategy, os.path.join(dirpath, name))]
+        assert not incomplete, f"{phase}: published but incomplete: {incomplete}"
+
+    resumed = run_ranks(
+        "workers/crash_scenarios.py", [str(tmp_path), strategy, "resume", *map(str, cells.values())], timeout=420
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["error"] for r in ranks] == [None, None]
-    assert [r["global_step"] for r in ranks] == [6, 6]
-    recovered = any("removed the unpublished partial checkpoint" in w for w in ranks[0]["warnings"])
-    assert recovered is (phase == "all-after-write")
-    names = _published(dirpath)
-    assert names == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
-    assert all(_complete(os.path.join(dirpath, name)) for name in names)
-    assert not [name for name in os.listdir(dirpath) if name.startswith(".")]
-    assert all(os.path.exists(path) for path in [*ranks[0]["best_k_models"], ranks[0]["last_model_path"]])
+    for phase, cell in cells.items():
+        dirpath = str(cell / "ckpts")
+        runs = [rank[str(cell)] for rank in ranks]
+        assert [r["error"] for r in runs] == [None, None], f"{phase}: {runs[0].get('trace') or runs[1].get('trace')}"
+        # the newest complete `last` is global step 2's, on every phase (step 4's `last` was never published)
+        assert [r["ckpt_path"] for r in runs] == [os.path.join(dirpath, "last.ckpt")] * 2, phase
+        assert [r["start_step"] for r in runs] == [2, 2], phase
+        assert [r["global_step"] for r in runs] == [6, 6], phase
+        names = _published(dirpath)
+        step_4 = ["step=4-v1.ckpt", "step=4.ckpt"] if phase == "rank0-between-renames" else ["step=4.ckpt"]
+        assert names == sorted(["last.ckpt", "step=2.ckpt", *step_4, "step=6.ckpt"]), f"{phase}: {names}"
+        assert all(_loads(strategy, os.path.join(dirpath, name)) for name in names), phase
+        assert not [name for name in os.listdir(dirpath) if name.startswith(".")], f"{phase}: leftovers"
+        ledger = [*runs[0]["best_k_models"], runs[0]["last_model_path"]]
+        assert all(os.path.exists(path) for path in ledger), f"{phase}: {ledger}"
+        # what the crash left (a staging entry, the `last` renamed aside) was resolved, and that was said; every
+        # rank resolves leftovers before `last` is looked up, and whichever got there first says so
+        said = [w for run in runs for w in run["warnings"] if "FiniteGradCheckpoint (rank" in w]
+        assert bool(said) == bool(leftovers[phase]), f"{phase}: left {leftovers[phase]}, said {said}"
+
+
+def test_plain_model_checkpoint_publishes_a_truncated_file_when_tmpdir_is_another_filesystem(tmp_path):
+    """The control for single files: Lightning's fsspec transaction writes its temporary file in ``$TMPDIR`` and, on
+    another filesystem, copies it into place under the final name; a crash during that copy publishes a truncated
+    checkpoint. ``FiniteGradCheckpoint`` stages in the checkpoint's own directory instead (test above)."""
+    crashed = _crash(tmp_path, "ddp", "rank0-during", plain=True)
+    assert not (tmp_path / "rank0.json").exists(), crashed.stdout[-3000:]
+    dirpath = str(tmp_path / "ckpts")
+    assert "step=4.ckpt" in _published(dirpath), os.listdir(dirpath)
+    assert 0 < os.path.getsize(os.path.join(dirpath, "step=4.ckpt"))  # half of it
+    assert not _loads("ddp", os.path.join(dirpath, "step=4.ckpt"))
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed", "fsdp2"])
+def test_a_write_failing_on_rank_1_of_a_sharded_save_raises_on_every_rank_and_rolls_back(tmp_path, strategy):
+    """Disk full on a non-zero rank while every rank writes its part of a directory checkpoint.
+
+    FSDP2's distributed checkpoint agrees on write failures itself: every rank raises at once. DeepSpeed ends its save
+    with a barrier that the failing rank never reaches, so rank 0 learns of it through the strategy's timeout (30 s
+    here); the failing rank still reports its own error."""
+    if strategy == "deepspeed" and (reason := _deepspeed_missing()):
+        pytest.skip(reason)
+    started = time.monotonic()
+    run = _crash(tmp_path, strategy, "rank1-disk-full")
+    assert time.monotonic() - started < 120  # at most one 30 s collective timeout, never a hang
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert "No space left on device" in ranks[1]["error"], ranks[1]["error"]  # its own error
+    assert ranks[0]["error"], f"rank 0 did not learn of rank 1's failure:\n{run.stdout[-3000:]}"
+    assert [r["global_step"] for r in ranks] == [4, 4]
+    dirpath = str(tmp_path / "ckpts")
+    step_2 = os.path.join(dirpath, "step=2.ckpt")
+    for rank in ranks:  # the ledger rolled back to what global step 2 published
+        assert list(rank["state"]["best_k_models"]) == [step_2], rank["state"]
+        assert rank["state"]["best_model_path"] == step_2
+        assert rank["last_model_path"] == os.path.join(dirpath, "last.ckpt")
+    # the checkpoint step 4 would have evicted is still there, nothing partial is published or left behind
+    assert sorted(os.listdir(dirpath)) == ["last.ckpt", "step=2.ckpt"], os.listdir(dirpath)
+    assert all(_loads(strategy, os.path.join(dirpath, name)) for name in ("last.ckpt", "step=2.ckpt"))

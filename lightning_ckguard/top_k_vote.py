@@ -1,0 +1,57 @@
+"""The top-K vote: whether a monitored value earns a place in the top K, decided by every rank in one collective.
+
+``ModelCheckpoint`` decides this in ``check_monitor_top_k`` with ``reduce_boolean_decision``, but only after
+branching on whether the monitored key was logged. A rank whose metrics lack it (``self.log(...,
+rank_zero_only=True)``, a metric logged under a condition) defers, warns or raises on its own, while its peers go
+on to the vote or to the save's barrier and wait there: a hang until the process-group timeout, or a collective
+matched with the wrong partner. Here each rank first decides locally, without a collective
+(:func:`local_top_k_decision`), then every rank joins the same single ``all_gather`` (:func:`agree_on_top_k`),
+key or no key, and all of them act on the same :class:`TopKVote`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TopKVote:
+    """What every rank decided together about one monitored value.
+
+    Attributes:
+        improves: Every rank's value makes the top K (``ModelCheckpoint``'s unanimous decision).
+        missing_ranks: The ranks whose logged metrics lack the monitored key; when not empty, nothing is saved.
+    """
+
+    improves: bool
+    missing_ranks: tuple[int, ...] = ()
+
+
+def local_top_k_decision(
+    current: Tensor | None, best_k_models: dict[str, Tensor], kth_best_model_path: str, save_top_k: int, mode: str
+) -> bool:
+    """``ModelCheckpoint.check_monitor_top_k`` without its collective: whether ``current`` makes this rank's top K."""
+    if current is None:
+        return False
+    if save_top_k == -1 or len(best_k_models) < save_top_k:
+        return True
+    monitor_op = {"min": torch.lt, "max": torch.gt}[mode]
+    return bool(monitor_op(current, best_k_models[kth_best_model_path]))
+
+
+def agree_on_top_k(strategy: Any, present: bool, improves: bool) -> TopKVote:
+    """Every rank's ``(present, improves)`` in one ``all_gather`` through ``strategy`` (its process group and
+    timeout); the same :class:`TopKVote` on every rank. Without peers, no collective."""
+    if getattr(strategy, "world_size", 1) <= 1:
+        return TopKVote(improves=present and improves, missing_ranks=() if present else (strategy.global_rank,))
+    flags = torch.tensor([int(present), int(improves)], dtype=torch.int32, device=strategy.root_device)
+    gathered = strategy.all_gather(flags).view(-1, 2).tolist()
+    missing = tuple(rank for rank, (has_key, _) in enumerate(gathered) if not has_key)
+    return TopKVote(improves=not missing and all(votes for _, votes in gathered), missing_ranks=missing)
+
+
+__all__ = ["TopKVote", "agree_on_top_k", "local_top_k_decision"]
