@@ -21,7 +21,7 @@ Rows:
 The paired runs (``--paired-steps``) are the precise figure: one fit alternates the guard's hooks and
 ``ModelCheckpoint``'s alone step by step, and a null control alternates nothing.
 
-    python benchmarks/end_to_end.py                                  # both models, ~8 min on 2 cores
+    python benchmarks/end_to_end.py                                  # both models, ~13 min on 2 cores
     python benchmarks/end_to_end.py --models mlp --repeats 5 --steps 30
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 import sys
 import tempfile
 import time
@@ -207,6 +208,13 @@ def paired(
     return times[0::2], times[1::2], ratios
 
 
+def bootstrap_interval(ratios: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 90% bootstrap interval of the median of ``ratios``: how far the paired figure can move by chance alone."""
+    rng = random.Random(seed)
+    medians = sorted(median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
+    return medians[int(0.05 * rounds)], medians[int(0.95 * rounds)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["transformer", "mlp"], choices=["transformer", "mlp"])
@@ -216,7 +224,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     parser.add_argument("--paired-steps", type=int, default=-1,
-                        help="steps of the alternating paired run (default: 40 transformer, 200 mlp; 0: skip it)")
+                        help="steps of each alternating paired run (default: 80 transformer, 400 mlp; 0: skip them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -241,20 +249,24 @@ def main() -> None:
                 share = median(RECORDING) / base
                 print(f"\nThe guard's recording hook, timed inside the same steps: median {ms(median(RECORDING))} ms "
                       f"per step = {share:.2%} of the median ModelCheckpoint step (implied ratio {1 + share:.3f}).")
-            paired_steps = args.paired_steps if args.paired_steps >= 0 else (40 if model_name == "transformer" else 200)
+            paired_steps = args.paired_steps if args.paired_steps >= 0 else (80 if model_name == "transformer" else 400)
             if paired_steps:
                 guarded, plain, ratios = paired(model_name, paired_steps, args.warmup, root)
                 _, _, null = paired(model_name, paired_steps, args.warmup, root, guard_even_steps=False)
                 print(f"\nPaired runs, {paired_steps} steps each ({len(ratios)} pairs: an even step against the mean "
                       "of its two odd neighbours):\n")
+                low, high = bootstrap_interval(ratios)
+                null_low, null_high = bootstrap_interval(null)
                 print(table(
-                    ["run", "even-step median ms", "odd-step median ms", "median paired ratio"],
+                    ["run", "even-step median ms", "odd-step median ms", "median paired ratio", "90% interval"],
                     [["guard on even steps, ModelCheckpoint alone on odd", ms(median(guarded)), ms(median(plain)),
-                      f"{median(ratios):.4f}"],
-                     ["null control: ModelCheckpoint alone on every step", "", "", f"{median(null):.4f}"]],
+                      f"{median(ratios):.4f}", f"{low:.4f}-{high:.4f}"],
+                     ["null control: ModelCheckpoint alone on every step", "", "", f"{median(null):.4f}",
+                      f"{null_low:.4f}-{null_high:.4f}"]],
                 ))
                 print(f"\n**Paired step-time ratio, FiniteGradCheckpoint / ModelCheckpoint: {median(ratios):.4f}** "
-                      f"(null control {median(null):.4f}; corrected {median(ratios) / median(null):.4f}).")
+                      f"(90% bootstrap interval {low:.4f}-{high:.4f}; the null control, where nothing differs, reads "
+                      f"{median(null):.4f}).")
             print()
 
 

@@ -39,7 +39,10 @@ from _common import (  # noqa: E402
 )
 
 from lightning_ckguard import GradientGuard  # noqa: E402
-from lightning_ckguard.finiteness import NonFiniteCheck  # noqa: E402
+from lightning_ckguard.finiteness import (
+    NonFiniteCheck,  # noqa: E402
+    cpu_large_tensor_reader,  # noqa: E402
+)
 
 CPU = torch.device("cpu")
 
@@ -95,6 +98,8 @@ def measure(dtype: torch.dtype, args: argparse.Namespace) -> None:
     headers = ["row", "median ms", "vs floor", "min ms", "min vs floor min", "notes"]
     print(table(headers, ratio_rows(times, "floor", NOTES)))
     print()
+    print(f"Large fp32 tensors are read with: {cpu_large_tensor_reader()} (measured at the first large step, or forced "
+          "by CKGUARD_CPU_READER)\n")
 
 if __name__ == "__main__":
     main()

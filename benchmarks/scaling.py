@@ -20,7 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import floor_read, interleaved, machine, make_grads, median, ms, previous_reader, table  # noqa: E402
 
-from lightning_ckguard.finiteness import NonFiniteCheck  # noqa: E402
+from lightning_ckguard.finiteness import (
+    NonFiniteCheck,  # noqa: E402
+    cpu_large_tensor_reader,  # noqa: E402
+)
 
 CPU = torch.device("cpu")
 
@@ -77,6 +80,8 @@ def main() -> None:
         rows.append(measure(args.fixed_count, int(size), args.repeats))
         gc.collect()
     print(table(headers, rows))
+    print(f"Large fp32 tensors are read with: {cpu_large_tensor_reader()} (measured at the first large step, or forced "
+          "by CKGUARD_CPU_READER)\n")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from lightning_ckguard.seal import PublicationSeal, agree_on_write
 from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.sources import gradient_source_for
 from lightning_ckguard.staging import (
+    checkpoint_is_complete,
     discard,
     is_local,
     move_into_place,
@@ -472,12 +473,14 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         return super()._find_last_checkpoints(trainer)
 
     def _drop_missing_checkpoints(self) -> None:
-        """Forget ledger entries whose checkpoint is gone (deleted by hand, lost in a crash), with a warning.
+        """Forget ledger entries whose checkpoint is gone (deleted by hand, lost in a crash) or visibly cut off
+        (:func:`~lightning_ckguard.staging.checkpoint_is_complete`), with a warning; the files themselves stay.
 
         Rank 0's view of the files decides, so every rank keeps the same ledger even without a shared filesystem.
         """
         paths = [*self.best_k_models, self.last_model_path]
-        missing = [p for p in paths if p and not self._fs.exists(p)]
+        local = is_local(self._fs)
+        missing = [p for p in paths if p and not (self._fs.exists(p) and (not local or checkpoint_is_complete(p)))]
         trainer = self._trainer
         if trainer is not None and getattr(trainer.strategy, "world_size", 1) > 1:
             missing = trainer.strategy.broadcast(missing, src=0)
@@ -499,7 +502,8 @@ class FiniteGradCheckpoint(ModelCheckpoint):
                 else torch.tensor(float("inf") if self.mode == "min" else -float("inf"))
             )
         rank_zero_warn(
-            f"FiniteGradCheckpoint dropped {len(missing)} checkpoint(s) its state lists but that no longer exist: "
+            f"FiniteGradCheckpoint dropped {len(missing)} checkpoint(s) its state lists but that no longer exist or "
+            "are incomplete: "
             + ", ".join(missing)
         )
 

@@ -14,10 +14,15 @@ How a tensor is read depends on where it lives (measured in ``benchmarks/``):
   a finite ``x`` is finite and at most ``fp32 max * 2**-100 ~ 2.7e8``, so no partial sum of fewer than ``2**100``
   elements can overflow, in any order of summation; an infinite ``x`` stays infinite, ``+inf + -inf`` and anything
   with a ``NaN`` are ``NaN``. The probe is therefore finite exactly when every element is. A matrix product streams
-  the tensor once, multithreaded, at the speed of a plain ``sum`` (``aminmax``, the exact alternative, costs about
-  1.4x that on CPU). All large tensors of a step go through two ``_foreach_mm`` calls, so per-tensor Python work
-  stays small. This needs true fp32 matrix products: when PyTorch is allowed to compute fp32 matmuls in bf16/tf32
-  (``torch.backends.mkldnn.matmul.fp32_precision`` other than ``"ieee"``, e.g.
+  the tensor once, multithreaded; all large tensors of a step go through two ``_foreach_mm`` calls, so per-tensor
+  Python work stays small. Which is faster, this probe or ``aminmax`` (the exact alternative), depends on the CPU and
+  its BLAS: with MKL on an Intel Xeon the probe runs at the speed of a plain ``sum`` and ``aminmax`` at 1.4-1.8x
+  that; on an AMD EPYC with 2 threads the probe costs 1.45x and ``aminmax`` 1.1-1.25x, and the probe loses on
+  many 100K-element tensors. So the first step of a gradient layout measures both on its own large gradients (a
+  warm-up read, then three timed reads each, once: the reading plan is cached) and keeps the faster
+  (:func:`cpu_large_tensor_reader`); ``CKGUARD_CPU_READER=probe`` or ``=aminmax`` fixes the choice. Both are exact,
+  so the choice only changes the speed. The probe needs true fp32 matrix products: when PyTorch is allowed to
+  compute fp32 matmuls in bf16/tf32 (``torch.backends.mkldnn.matmul.fp32_precision`` other than ``"ieee"``, e.g.
   ``torch.set_float32_matmul_precision("medium")``), rounding the inputs could turn ``3.4e38`` into ``inf``, so fp32
   falls back to ``aminmax``.
 - **CPU, small tensors** (at most :data:`SMALL_NUMEL` elements, fp32/fp64/bf16/fp16): tensors of one shape are
@@ -35,14 +40,19 @@ size of a gradient. Nothing here reads a value back to the host.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from operator import attrgetter
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 #: Tensors with at most this many elements are batched into a workspace on CPU.
 SMALL_NUMEL = 4096
@@ -62,6 +72,57 @@ _SCALE = {torch.float32: 2.0**-100, torch.float64: 2.0**-100, torch.bfloat16: 2.
 _LARGE_PROBE_DTYPES = (torch.float32,)
 
 _signature = attrgetter("dtype", "layout", "device", "shape")
+
+#: Large fp32 tensors on CPU are read by the "probe" or by "aminmax"; chosen by measuring both (see below).
+CPU_READERS = ("probe", "aminmax")
+#: Below this many elements in a step's large tensors, the two readers are too close to time reliably: the probe.
+CALIBRATION_MIN_NUMEL = 1 << 20
+_measured: dict[int, str] = {}  # torch.get_num_threads() -> the reader the latest measurement chose
+
+
+def cpu_large_tensor_reader() -> str | None:
+    """The reader for large fp32 gradients on CPU: ``"probe"`` or ``"aminmax"`` as forced by the environment variable
+    ``CKGUARD_CPU_READER``, else the one the latest measurement in this process chose (at the current thread count),
+    else None (nothing measured yet).
+
+    Raises:
+        ValueError: If ``CKGUARD_CPU_READER`` is set to something else than ``auto``, ``probe`` or ``aminmax``.
+    """
+    forced = _forced_reader()
+    return forced if forced is not None else _measured.get(torch.get_num_threads())
+
+
+def _forced_reader() -> str | None:
+    forced = os.environ.get("CKGUARD_CPU_READER", "auto")
+    if forced in CPU_READERS:
+        return forced
+    if forced != "auto":
+        raise ValueError(f"CKGUARD_CPU_READER must be one of 'auto', 'probe', 'aminmax', got {forced!r}.")
+    return None
+
+
+def _calibrate(read_with_probe: Callable[[], object], read_with_aminmax: Callable[[], object], numel: int) -> str:
+    """Time both exact readers on the same gradients (after one untimed read each, alternating, best of three) and
+    return the faster one."""
+    if numel < CALIBRATION_MIN_NUMEL:
+        return "probe"
+    timings: dict[str, list[float]] = {"probe": [], "aminmax": []}
+    readers = {"probe": read_with_probe, "aminmax": read_with_aminmax}
+    for read in readers.values():  # untimed: the first read of a layout pays for caches and allocations
+        read()
+    for repeat in range(3):
+        for name in (CPU_READERS if repeat % 2 == 0 else CPU_READERS[::-1]):
+            start = time.perf_counter()
+            readers[name]()
+            timings[name].append(time.perf_counter() - start)
+    best = min(CPU_READERS, key=lambda name: min(timings[name]))
+    _measured[torch.get_num_threads()] = best
+    log.debug(
+        "lightning_ckguard reads large fp32 CPU gradients with %s (best of 3 over %d elements: probe %.2f ms, "
+        "aminmax %.2f ms, %d threads)", best, numel, 1e3 * min(timings["probe"]), 1e3 * min(timings["aminmax"]),
+        torch.get_num_threads(),
+    )
+    return best
 
 
 def _foreach_mm(left: list[Tensor], right: list[Tensor]) -> list[Tensor]:
@@ -151,6 +212,7 @@ class _Group:
     large_shapes: list[tuple[int, int]] = field(default_factory=list)
     large_tails: list[int] = field(default_factory=list)  # elements past r * k, 0 for most tensors
     large_orders: list[tuple[int, ...]] = field(default_factory=list)
+    large_reader: str | None = None  # "probe" or "aminmax" once chosen (see cpu_large_tensor_reader)
     rows: list[Tensor] = field(default_factory=list)  # scale rows, (1, r)
     columns: list[Tensor] = field(default_factory=list)  # scale columns, (k, 1)
     tail_entries: Tensor | None = None  # entry index of each tensor with a tail
@@ -219,34 +281,48 @@ class NonFiniteCheck:
         """Per entry of ``group``: True where the tensor holds a non-finite value."""
         if group.norms:
             return _extremes_non_finite([values[i] for i in group.norms], group.device)
+        bad: list[Tensor] = []
         probes: list[Tensor] = []
         if group.large:
-            matrices: list[Tensor] = []
-            tails: list[Tensor] = []
-            plan = zip(group.large, group.large_shapes, group.large_tails, group.large_orders, strict=True)
-            for i, (r, k), tail, order in plan:
-                value = values[i].permute(order) if order else values[i]
-                if tail:
-                    flat = value.view(-1)
-                    matrices.append(flat[: r * k].view(r, k))
-                    tails.append(flat[r * k :].view(tail, 1))
-                else:
-                    matrices.append(value.view(r, k))
-            partial = _foreach_mm(group.rows, matrices)  # (1, k) each
-            probe = torch.cat(_foreach_mm(partial, group.columns)).view(-1)
-            if tails:
-                assert group.tail_entries is not None
-                probe.index_add_(0, group.tail_entries, torch.cat(_foreach_mm(group.tail_rows, tails)).view(-1))
-            probes.append(probe)
+            if group.large_reader is None:
+                group.large_reader = _forced_reader() or _calibrate(
+                    lambda: self._probe_large(group, values),
+                    lambda: _extremes_non_finite([values[i] for i in group.large], group.device),
+                    sum(values[i].numel() for i in group.large),
+                )
+            if group.large_reader == "probe":
+                probes.append(self._probe_large(group, values))
+            else:  # entry order: the large tensors come first
+                bad.append(_extremes_non_finite([values[i] for i in group.large], group.device))
         for chunk in group.chunks:
             torch.stack([values[i] for i in chunk.members], out=chunk.stacked)
             probes.append(torch.mm(chunk.matrix, chunk.column).view(-1))
-        bad: list[Tensor] = []
         if probes:
             bad.append(torch.isfinite(torch.cat(probes) if len(probes) > 1 else probes[0]).logical_not_())
         if group.extremes:
             bad.append(_extremes_non_finite([values[i] for i in group.extremes], group.device))
         return torch.cat(bad) if len(bad) > 1 else bad[0]
+
+    @staticmethod
+    def _probe_large(group: _Group, values: list[Tensor]) -> Tensor:
+        """The scaled matrix probe of every large tensor of ``group``: finite exactly where the tensor is."""
+        matrices: list[Tensor] = []
+        tails: list[Tensor] = []
+        plan = zip(group.large, group.large_shapes, group.large_tails, group.large_orders, strict=True)
+        for i, (r, k), tail, order in plan:
+            value = values[i].permute(order) if order else values[i]
+            if tail:
+                flat = value.view(-1)
+                matrices.append(flat[: r * k].view(r, k))
+                tails.append(flat[r * k :].view(tail, 1))
+            else:
+                matrices.append(value.view(r, k))
+        partial = _foreach_mm(group.rows, matrices)  # (1, k) each
+        probe = torch.cat(_foreach_mm(partial, group.columns)).view(-1)
+        if tails:
+            assert group.tail_entries is not None
+            probe.index_add_(0, group.tail_entries, torch.cat(_foreach_mm(group.tail_rows, tails)).view(-1))
+        return probe
 
     # ------------------------------------------------------------------ planning (once per layout)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import zipfile
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -76,6 +77,30 @@ def discard(staging: str) -> None:
     _remove(staging)
 
 
+def checkpoint_is_complete(path: str) -> bool:
+    """Whether ``path`` holds a whole checkpoint, judged cheaply from markers its writer puts down last (nothing is
+    loaded). Unknown formats (a custom ``CheckpointIO``) count as complete; only evidence of a cut-off write does not:
+
+    - a file: empty, or a zip archive (``torch.save``'s format) whose central directory at the end is missing;
+    - a directory: empty; distributed-checkpoint shards (``*.distcp``) without the ``.metadata`` the coordinator writes
+      after them; a DeepSpeed checkpoint (``zero_to_fp32.py``) without its ``latest`` tag file.
+    """
+    if os.path.isdir(path):
+        names = set(os.listdir(path))
+        if not names:
+            return False
+        if any(name.endswith(".distcp") for name in names) and ".metadata" not in names:
+            return False
+        return not ("zero_to_fp32.py" in names and "latest" not in names)
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        return False
+    return head != b"PK\x03\x04" or zipfile.is_zipfile(path)
+
+
 def recover(dirpath: str) -> list[str]:
     """Resolve what an interrupted publication left in ``dirpath``; return one line per action, for a warning.
 
@@ -107,4 +132,12 @@ def recover(dirpath: str) -> list[str]:
     return actions
 
 
-__all__ = ["discard", "is_local", "move_into_place", "recover", "staging_path", "writes_directories"]
+__all__ = [
+    "checkpoint_is_complete",
+    "discard",
+    "is_local",
+    "move_into_place",
+    "recover",
+    "staging_path",
+    "writes_directories",
+]

@@ -8,7 +8,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import HOST_READS, QUIET, CountOps, FaultyModel
-from lightning_ckguard import FiniteGradCheckpoint, GradientGuard
+from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, finiteness
 from lightning_ckguard.finiteness import NonFiniteCheck
 
 
@@ -106,10 +106,12 @@ def test_guard_adds_zero_host_syncs_per_training_step(tmp_path):
     assert extra_n <= 2, "expected only the boundary read(s) of the final save"
 
 
+@pytest.mark.parametrize("reader", ["probe", "aminmax"])
 @pytest.mark.parametrize("shape", [(4096,), (5000,), (70_000,), (65_537,), (1024, 1536), (3, 100_003)])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_every_cpu_read_path_is_exact(shape, value):
-    # small batched, mid-size aminmax, and large matrix-product reads; contiguous and transposed
+def test_every_cpu_read_path_is_exact(shape, value, reader, monkeypatch):
+    # small batched, mid-size aminmax, and large tensors read by either large-tensor reader; contiguous and transposed
+    monkeypatch.setenv("CKGUARD_CPU_READER", reader)
     cpu = torch.device("cpu")
     big = torch.full(shape, torch.finfo(torch.float32).max)
     assert not NonFiniteCheck()([big, -big], cpu).any()
@@ -130,3 +132,25 @@ def test_reduced_fp32_matmul_precision_stays_exact():
         assert not NonFiniteCheck()([big], torch.device("cpu")).any()
     finally:
         matmul.fp32_precision = before
+
+
+def test_the_large_tensor_reader_is_measured_once_per_layout_and_kept(monkeypatch):
+    monkeypatch.delenv("CKGUARD_CPU_READER", raising=False)
+    monkeypatch.setattr(finiteness, "_measured", {})
+    grads = [torch.randn(1024, 1024), torch.randn(1024, 512)]
+    grads[1][7, 7] = float("nan")
+    check = NonFiniteCheck()
+    assert finiteness.cpu_large_tensor_reader() is None  # nothing measured yet
+    assert check(grads, torch.device("cpu")).tolist() == [False, True]
+    chosen = finiteness.cpu_large_tensor_reader()
+    assert chosen in ("probe", "aminmax")
+    finiteness._measured.clear()
+    grads[1][7, 7] = 0.0
+    assert check(grads, torch.device("cpu")).tolist() == [False, False]
+    assert finiteness.cpu_large_tensor_reader() is None  # the cached plan kept its reader: nothing was measured again
+
+
+def test_an_unknown_forced_reader_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CKGUARD_CPU_READER", "fastest")
+    with pytest.raises(ValueError, match="CKGUARD_CPU_READER must be one of 'auto', 'probe', 'aminmax'"):
+        NonFiniteCheck()([torch.randn(1024, 1024)], torch.device("cpu"))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 from helpers import QUIET, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.staging import move_into_place, recover, staging_path
+from lightning_ckguard.staging import checkpoint_is_complete, move_into_place, recover, staging_path
 
 
 def _checkpoint_dir(path, content: str) -> None:
@@ -58,7 +60,8 @@ def test_setup_recovers_leftovers_with_a_warning(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
 
 
-def test_ledger_entries_whose_files_are_gone_are_dropped_on_resume(tmp_path):
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_ledger_entries_whose_files_are_gone_or_incomplete_are_dropped_on_resume(tmp_path, damage):
     def fit(max_epochs: int, ckpt_path: str | None = None) -> FiniteGradCheckpoint:
         callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
         seed_everything(0)
@@ -70,11 +73,69 @@ def test_ledger_entries_whose_files_are_gone_are_dropped_on_resume(tmp_path):
     fit(2)
     best = tmp_path / "epoch=1-step=4.ckpt"
     assert best.exists()
-    best.unlink()  # lost: deleted by hand, or in a crash
+    if damage == "deleted":
+        best.unlink()  # lost: deleted by hand, or in a crash
+    else:
+        best.write_bytes(best.read_bytes()[:1000])  # cut off, e.g. copied by hand and interrupted
     with pytest.warns(UserWarning, match=r"dropped 1 checkpoint\(s\).*epoch=1-step=4.ckpt"):
         callback = fit(4, ckpt_path=str(tmp_path / "last.ckpt"))
     assert str(best) not in callback.best_k_models
     # epoch 0 stays the best left; epochs 2 and 3 are worse but fill the free slot of the top-2
     assert callback.best_model_path == str(tmp_path / "epoch=0-step=2.ckpt")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"]
+    kept = ["epoch=1-step=4.ckpt"] if damage == "truncated" else []  # forgotten, not deleted: it is the user's file
+    expected = sorted(["epoch=0-step=2.ckpt", "epoch=2-step=6.ckpt", "last.ckpt", *kept])
+    assert sorted(p.name for p in tmp_path.iterdir()) == expected
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 6  # `last` moves with the top-K
+
+
+def test_completeness_is_judged_from_the_markers_a_writer_puts_down_last(tmp_path):
+    torch.save({"x": torch.ones(3)}, tmp_path / "whole.ckpt")
+    (tmp_path / "cut.ckpt").write_bytes((tmp_path / "whole.ckpt").read_bytes()[:200])
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    (tmp_path / "custom.ckpt").write_bytes(b"a format of a custom CheckpointIO")
+    for name, files in {
+        "dcp-whole": [".metadata", "__0_0.distcp"], "dcp-cut": ["__0_0.distcp"],
+        "deepspeed-whole": ["latest", "zero_to_fp32.py"], "deepspeed-cut": ["zero_to_fp32.py"], "empty-dir": [],
+    }.items():
+        (tmp_path / name).mkdir()
+        for file in files:
+            (tmp_path / name / file).write_text("x")
+    complete = {p.name for p in tmp_path.iterdir() if checkpoint_is_complete(str(p))}
+    assert complete == {"whole.ckpt", "custom.ckpt", "dcp-whole", "deepspeed-whole"}
+    assert not checkpoint_is_complete(str(tmp_path / "absent.ckpt"))
+
+
+def test_a_single_file_is_serialized_in_memory_written_by_fsspec_and_renamed_into_place(tmp_path, monkeypatch):
+    """Lightning's own write path is kept (``torch.save`` into memory, an fsspec transaction that writes a temporary
+    file and moves it), and its target is the staging sibling, which one rename then publishes."""
+    events: list[tuple[str, ...]] = []
+    save, move, replace = torch.save, shutil.move, os.replace
+
+    def recorded_save(obj, f, *args, **kwargs):
+        events.append(("torch.save into", type(f).__name__))
+        return save(obj, f, *args, **kwargs)
+
+    def recorded_move(src, dst, *args, **kwargs):
+        events.append(("fsspec moves", os.path.dirname(src), os.path.basename(dst)))
+        return move(src, dst, *args, **kwargs)
+
+    def recorded_replace(src, dst, *args, **kwargs):
+        events.append(("rename", os.path.basename(src), os.path.basename(dst)))
+        return replace(src, dst, *args, **kwargs)
+
+    temporary = tmp_path / "tmpdir"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))  # where fsspec's transaction writes first
+    monkeypatch.setattr(torch, "save", recorded_save)
+    monkeypatch.setattr(shutil, "move", recorded_move)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    Trainer(callbacks=[callback], max_steps=2, limit_val_batches=0, **QUIET).fit(FaultyModel())
+    name = "epoch=0-step=2.ckpt"
+    assert events == [
+        ("torch.save into", "BytesIO"),
+        ("fsspec moves", str(temporary), f".{name}.ckguard-staging"),
+        ("rename", f".{name}.ckguard-staging", name),
+    ]
+    assert os.listdir(tmp_path / "ckpts") == [name] and os.listdir(temporary) == []
