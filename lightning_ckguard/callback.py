@@ -20,7 +20,6 @@ from typing import Any, Literal
 from weakref import proxy
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
@@ -32,6 +31,7 @@ from lightning_ckguard._validation import unwritable_dirpath_error, validate_arg
 from lightning_ckguard.agreement import Verdict
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
+from lightning_ckguard.ledger import Ledger
 from lightning_ckguard.publication import BoundaryPublication
 from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.seal import PublicationSeal, agree_on_write
@@ -486,21 +486,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             missing = trainer.strategy.broadcast(missing, src=0)
         if not missing:
             return
-        for path in missing:
-            self.best_k_models.pop(path, None)
-        if self.last_model_path in missing:
-            self.last_model_path = ""
-        scores = self.best_k_models
-        best, worst = (min, max) if self.mode == "min" else (max, min)
-        if self.best_model_path in missing:
-            self.best_model_path = best(scores, key=scores.__getitem__) if scores else ""
-            self.best_model_score = scores[self.best_model_path] if scores else None
-        if self.kth_best_model_path in missing:
-            self.kth_best_model_path = worst(scores, key=scores.__getitem__) if scores else ""
-            self.kth_value = (
-                scores[self.kth_best_model_path] if scores
-                else torch.tensor(float("inf") if self.mode == "min" else -float("inf"))
-            )
+        Ledger.capture(self).without(missing, self.mode).apply_to(self)
         rank_zero_warn(
             f"FiniteGradCheckpoint dropped {len(missing)} checkpoint(s) its state lists but that no longer exist or "
             "are incomplete: "

@@ -7,7 +7,7 @@ dry run writes no file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -67,6 +67,26 @@ class Ledger:
         for name, attribute in _ATTRIBUTES.items():
             value = getattr(self, name)
             setattr(checkpoint, attribute, dict(value) if isinstance(value, dict) else value)
+
+    def without(self, paths: list[str], mode: str) -> Ledger:
+        """This ledger with the checkpoints at ``paths`` forgotten (``mode`` is ``"min"`` or ``"max"``): best and
+        k-th best are chosen again among the remaining top-K entries, and ``last`` is cleared if it is one of them."""
+        gone = set(paths)
+        scores = {path: score for path, score in self.best_k_models.items() if path not in gone}
+        best, worst = (min, max) if mode == "min" else (max, min)
+        changes: dict[str, Any] = {"best_k_models": scores}
+        if self.last_model_path in gone:
+            changes["last_model_path"] = ""
+        if self.best_model_path in gone:
+            changes["best_model_path"] = best(scores, key=scores.__getitem__) if scores else ""
+            changes["best_model_score"] = scores[changes["best_model_path"]] if scores else None
+        if self.kth_best_model_path in gone:
+            changes["kth_best_model_path"] = worst(scores, key=scores.__getitem__) if scores else ""
+            changes["kth_value"] = (
+                scores[changes["kth_best_model_path"]] if scores
+                else torch.tensor(float("inf") if mode == "min" else -float("inf"))
+            )
+        return replace(self, **changes)
 
     def same_as(self, other: Ledger) -> bool:
         """Field-by-field equality, tensors compared by value."""

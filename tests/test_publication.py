@@ -10,6 +10,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 from helpers import QUIET, FailingIO, FaultyModel, ledger_state, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
+from lightning_ckguard.ledger import Ledger
 
 EPOCHS = dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
 
@@ -45,3 +46,23 @@ def test_failed_serialization_rolls_back_and_keeps_evicted_file(failing, tmp_pat
     assert tree_digest(str(tmp_path)) == before["tree"], "files changed after a failed boundary"
     assert "epoch=0-step=2.ckpt" in before["tree"]  # the file the failed boundary would have evicted
     assert callback.best_model_path == str(tmp_path / "epoch=0-step=2.ckpt")
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_forgetting_checkpoints_chooses_best_and_kth_again_among_the_rest(mode):
+    scores = {"a.ckpt": torch.tensor(1.0), "b.ckpt": torch.tensor(2.0), "c.ckpt": torch.tensor(3.0)}
+    best, kth = ("a.ckpt", "c.ckpt") if mode == "min" else ("c.ckpt", "a.ckpt")
+    ledger = Ledger(
+        best_k_models=scores, kth_best_model_path=kth, kth_value=scores[kth], best_model_path=best,
+        best_model_score=scores[best], current_score=scores["b.ckpt"], last_model_path="last.ckpt",
+        last_global_step_saved=6, last_checkpoint_saved="last.ckpt", last_time_checked=None,
+        defer_save_until_validation=False,
+    )
+    left = ledger.without(["a.ckpt", "c.ckpt", "last.ckpt"], mode)
+    assert list(left.best_k_models) == ["b.ckpt"]
+    assert (left.best_model_path, left.kth_best_model_path, left.last_model_path) == ("b.ckpt", "b.ckpt", "")
+    assert float(left.best_model_score) == float(left.kth_value) == 2.0
+    empty = ledger.without(list(scores), mode)
+    assert (empty.best_k_models, empty.best_model_path, empty.best_model_score) == ({}, "", None)
+    assert float(empty.kth_value) == (float("inf") if mode == "min" else -float("inf"))
+    assert ledger.best_k_models == scores  # a new value; the original is unchanged
