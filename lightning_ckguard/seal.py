@@ -10,12 +10,15 @@ can admit the write after the same preflight agreement, refuse it on every rank,
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 
 from lightning_ckguard.errors import CheckpointWriteError
+from lightning_ckguard.sources import is_deepspeed_strategy
+from lightning_ckguard.staging import published_path
 
 
 class SaveAdmission(Protocol):
@@ -62,18 +65,22 @@ class PublicationSeal:
         failure: Exception | None = None
         write = strategy.save_checkpoint
 
-        def write_holding_failure(*args: Any, **kwargs: Any) -> None:
+        def hold(error: Exception) -> None:
             nonlocal failure
+            failure = failure or error
+
+        def write_holding_failure(*args: Any, **kwargs: Any) -> None:
             try:
-                write(*args, **kwargs)
+                with _file_writes_holding_failures(strategy, hold):
+                    write(*args, **kwargs)
             except Exception as error:
-                failure = error
+                hold(error)
 
         shadowed = "save_checkpoint" in vars(strategy)
         strategy.save_checkpoint = write_holding_failure
         try:
             self._save_checkpoint(filepath, weights_only=weights_only, storage_options=storage_options)
-            agree_on_write(strategy, failure, str(filepath))
+            agree_on_write(strategy, failure, published_path(str(filepath)))
         except Exception as error:
             # A strategy whose save runs collectives after the failing rank's failure point (DeepSpeed ends its save
             # with a barrier) leaves the others waiting there until the strategy's timeout, and this rank's barrier
@@ -86,6 +93,40 @@ class PublicationSeal:
                 strategy.save_checkpoint = write
             else:
                 del strategy.save_checkpoint
+
+
+@contextmanager
+def _file_writes_holding_failures(strategy: Any, hold: Callable[[Exception], None]) -> Iterator[None]:
+    """Under DeepSpeed, make a failed file write held instead of raised, for the duration of one save.
+
+    DeepSpeed's ``engine.save_checkpoint`` runs collectives after each rank has written its files (it ends with a
+    barrier). A rank whose write raised would leave that save early, and its peers would wait in the barrier until the
+    strategy's timeout. With its checkpoint engine's ``save`` holding the error, every rank goes through the same
+    collectives, and the failure is raised on every rank right after (:func:`agree_on_write`).
+    """
+    deepspeed = is_deepspeed_strategy(strategy)
+    engine = getattr(getattr(strategy, "model", None), "checkpoint_engine", None) if deepspeed else None
+    if engine is None or not callable(getattr(engine, "save", None)):
+        yield
+        return
+    save = engine.save
+    shadowed = "save" in vars(engine)
+
+    def save_holding_failure(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return save(*args, **kwargs)
+        except Exception as error:
+            hold(error)
+            return None
+
+    engine.save = save_holding_failure
+    try:
+        yield
+    finally:
+        if shadowed:
+            engine.save = save
+        else:
+            del engine.save
 
 
 def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> None:

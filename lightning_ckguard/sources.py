@@ -118,7 +118,8 @@ class ParameterGradients:
         return False
 
 
-def _is_deepspeed_strategy(strategy: Any) -> bool:
+def is_deepspeed_strategy(strategy: Any) -> bool:
+    """Whether ``strategy`` is Lightning's or Fabric's ``DeepSpeedStrategy`` (or a subclass)."""
     # lightning's strategy modules import without DeepSpeed; DeepSpeed itself is only needed to run one
     from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -140,7 +141,7 @@ def gradient_source_for(strategy: Any, module: nn.Module) -> GradientSource:
 
     if is_deepspeed_engine(module):
         return DeepSpeedGradients(module)
-    if _is_deepspeed_strategy(strategy):
+    if is_deepspeed_strategy(strategy):
         engine = getattr(strategy, "model", None)
         if not is_deepspeed_engine(engine):
             raise ValueError(
@@ -151,4 +152,4 @@ def gradient_source_for(strategy: Any, module: nn.Module) -> GradientSource:
     return ParameterGradients(module)
 
 
-__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex", "gradient_source_for"]
+__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex", "gradient_source_for", "is_deepspeed_strategy"]

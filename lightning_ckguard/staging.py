@@ -21,15 +21,16 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
+from lightning_ckguard.sources import is_deepspeed_strategy
+
 STAGING_SUFFIX = ".ckguard-staging"
 RETIRED_SUFFIX = ".ckguard-retired"
 
 
 def writes_directories(strategy: Any) -> bool:
     """Whether ``strategy`` writes a checkpoint as a directory that every rank fills."""
-    kind = type(strategy).__name__
     return (
-        "DeepSpeed" in kind
+        is_deepspeed_strategy(strategy)
         or bool(getattr(strategy, "_save_distributed_checkpoint", False))
         or getattr(strategy, "_state_dict_type", None) == "sharded"
     )
@@ -39,6 +40,14 @@ def staging_path(filepath: str) -> str:
     """The hidden sibling that ``filepath`` is written into before it is published."""
     head, tail = os.path.split(filepath)
     return os.path.join(head, f".{tail}{STAGING_SUFFIX}")
+
+
+def published_path(path: str) -> str:
+    """The name a staging path is published under (any other path is returned unchanged), for messages."""
+    head, tail = os.path.split(path)
+    if tail.startswith(".") and tail.endswith(STAGING_SUFFIX):
+        return os.path.join(head, tail[1 : -len(STAGING_SUFFIX)])
+    return path
 
 
 def _retired_path(filepath: str) -> str:
@@ -137,6 +146,7 @@ __all__ = [
     "discard",
     "is_local",
     "move_into_place",
+    "published_path",
     "recover",
     "staging_path",
     "writes_directories",

@@ -12,7 +12,13 @@ from lightning.pytorch import Trainer, seed_everything
 
 from helpers import QUIET, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.staging import checkpoint_is_complete, move_into_place, recover, staging_path
+from lightning_ckguard.staging import (
+    checkpoint_is_complete,
+    move_into_place,
+    published_path,
+    recover,
+    staging_path,
+)
 
 
 def _checkpoint_dir(path, content: str) -> None:
@@ -139,3 +145,9 @@ def test_a_single_file_is_serialized_in_memory_written_by_fsspec_and_renamed_int
         ("rename", f".{name}.ckguard-staging", name),
     ]
     assert os.listdir(tmp_path / "ckpts") == [name] and os.listdir(temporary) == []
+
+
+def test_a_staging_path_is_reported_under_the_name_it_would_be_published_as(tmp_path):
+    final = str(tmp_path / "epoch=0-step=4.ckpt")
+    assert published_path(staging_path(final)) == final
+    assert published_path(final) == final

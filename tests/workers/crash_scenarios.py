@@ -33,6 +33,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 import warnings
 from datetime import timedelta
@@ -201,6 +202,7 @@ def fit(strategy: str, dirpath: str, phase: str, plain: bool) -> dict[str, Any]:
         **QUIET,
     )
     result: dict[str, Any] = {"error": None}
+    started = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -209,6 +211,7 @@ def fit(strategy: str, dirpath: str, phase: str, plain: bool) -> dict[str, Any]:
             result["error"] = f"{type(error).__name__}: {error}"
             result["trace"] = traceback.format_exc()
     result.update(
+        fit_seconds=time.monotonic() - started,
         start_step=start.step,
         global_step=trainer.global_step,
         ckpt_path=trainer.ckpt_path,
