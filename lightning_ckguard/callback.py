@@ -421,18 +421,16 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         if self._publication.planning:
             self._publication.plan("link", linkpath, target=filepath)
             return
-        if not self._publication.publishing:
-            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
-            return
-        self._publication.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
-        if not is_local(self._fs):
-            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
-            return
-        # the link is made beside `linkpath` (same relative target) and renamed over it: `last` is never missing
-        staging = staging_path(linkpath)
-        ModelCheckpoint._link_checkpoint(trainer, filepath, staging)  # rank 0 links, then a barrier
-        if trainer.is_global_zero:
-            move_into_place(staging, linkpath)
+        if self._publication.publishing:
+            self._publication.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
+            if is_local(self._fs):
+                # the link is made beside `linkpath` (same relative target) and renamed over it: `last` is never gone
+                staging = staging_path(linkpath)
+                ModelCheckpoint._link_checkpoint(trainer, filepath, staging)  # rank 0 links, then a barrier
+                if trainer.is_global_zero:
+                    move_into_place(staging, linkpath)
+                return
+        ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
 
     # ------------------------------------------------------------------ resuming
 

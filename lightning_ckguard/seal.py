@@ -76,10 +76,9 @@ class PublicationSeal:
             except Exception as error:
                 hold(error)
 
-        shadowed = "save_checkpoint" in vars(strategy)
-        strategy.save_checkpoint = write_holding_failure
         try:
-            self._save_checkpoint(filepath, weights_only=weights_only, storage_options=storage_options)
+            with _replaced(strategy, "save_checkpoint", write_holding_failure):
+                self._save_checkpoint(filepath, weights_only=weights_only, storage_options=storage_options)
             agree_on_write(strategy, failure, published_path(str(filepath)))
         except Exception as error:
             # A strategy whose save runs collectives after the failing rank's failure point (DeepSpeed ends its save
@@ -88,11 +87,6 @@ class PublicationSeal:
             if failure is None or error is failure:
                 raise
             raise failure from error
-        finally:
-            if shadowed:
-                strategy.save_checkpoint = write
-            else:
-                del strategy.save_checkpoint
 
 
 @contextmanager
@@ -110,7 +104,6 @@ def _file_writes_holding_failures(strategy: Any, hold: Callable[[Exception], Non
         yield
         return
     save = engine.save
-    shadowed = "save" in vars(engine)
 
     def save_holding_failure(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -119,14 +112,26 @@ def _file_writes_holding_failures(strategy: Any, hold: Callable[[Exception], Non
             hold(error)
             return None
 
-    engine.save = save_holding_failure
+    with _replaced(engine, "save", save_holding_failure):
+        yield
+
+
+@contextmanager
+def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Set ``owner.name`` to ``value`` for the duration, then restore exactly what was there: the instance's own
+    attribute, or none (so the class's method shows through again)."""
+    own = vars(owner).get(name, _ABSENT)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        if shadowed:
-            engine.save = save
+        if own is _ABSENT:
+            delattr(owner, name)
         else:
-            del engine.save
+            setattr(owner, name, own)
+
+
+_ABSENT = object()
 
 
 def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> None:

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import os
 import signal
@@ -9,6 +10,13 @@ from typing import Any
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def deepspeed_missing() -> str | None:
+    """Why the DeepSpeed tests cannot run here, or None when DeepSpeed is installed."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install --no-build-isolation deepspeed): the DeepSpeed tests need it"
+    return None
 
 
 def free_port() -> int:

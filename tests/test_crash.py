@@ -8,7 +8,6 @@ points at a missing file and nothing the crash left is still there. The worker i
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import tempfile
@@ -16,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-from conftest import run_ranks
+from conftest import deepspeed_missing, run_ranks
 
 PHASES = ("rank1-before", "rank0-during", "all-during", "all-after", "rank0-between-renames")
 # the ranks that survive each phase, and must have failed instead of hanging
@@ -74,15 +73,9 @@ def _crash(cell, strategy: str, phase: str, plain: bool = False):
     return run_ranks("workers/crash_scenarios.py", args, timeout=240, env=env)
 
 
-def _deepspeed_missing() -> str | None:
-    if importlib.util.find_spec("deepspeed") is None:
-        return "DeepSpeed is not installed (pip install deepspeed)"
-    return None
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "fsdp2"])
 def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tmp_path, strategy):
-    if strategy == "deepspeed" and (reason := _deepspeed_missing()):
+    if strategy == "deepspeed" and (reason := deepspeed_missing()):
         pytest.skip(reason)
     cells = {phase: tmp_path / phase for phase in PHASES}
     leftovers: dict[str, list[str]] = {}
@@ -156,7 +149,7 @@ def test_a_write_failing_on_rank_1_of_a_sharded_save_raises_on_every_rank_and_ro
     are written (it ends with a barrier), so the seal holds the failed write instead of letting rank 1 leave the save
     early; every rank then raises right after, rank 0 with ``CheckpointWriteError`` naming rank 1, long before the
     strategy's 30 s timeout."""
-    if strategy == "deepspeed" and (reason := _deepspeed_missing()):
+    if strategy == "deepspeed" and (reason := deepspeed_missing()):
         pytest.skip(reason)
     run = _crash(tmp_path, strategy, "rank1-disk-full")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -13,14 +13,13 @@ temporary directory. DeepSpeed cells skip when DeepSpeed is not importable.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from typing import Any
 
 import pytest
 from sharded_helpers import FAULT_PARAMETERS
 
-from conftest import run_ranks
+from conftest import deepspeed_missing, run_ranks
 
 STRATEGIES = ["ddp", "zero1", "ds2", "ds3", "fsdp2"]
 DEEPSPEED = {"ds2", "ds3"}
@@ -80,15 +79,9 @@ def expected_error(strategy: str, faulty: str) -> dict[str, Any]:
     }
 
 
-def _deepspeed_missing() -> str | None:
-    if importlib.util.find_spec("deepspeed") is None:
-        return "DeepSpeed is not installed (pip install deepspeed): the DeepSpeed cells need it"
-    return None
-
-
 def _run(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]] | str:
     """Both ranks' results for the 16 cells of ``strategy``, or why they are unavailable."""
-    if strategy in DEEPSPEED and (reason := _deepspeed_missing()):
+    if strategy in DEEPSPEED and (reason := deepspeed_missing()):
         return reason
     out = tmp_path_factory.mktemp(f"matrix-{strategy}")
     proc = run_ranks("workers/fault_matrix.py", [strategy, str(out)], timeout=WORKER_TIMEOUT)

@@ -12,7 +12,6 @@ tests skip when DeepSpeed is not importable. Each strategy runs all its scenario
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ import pytest
 import torch
 from sharded_helpers import FAULT_PARAMETERS
 
-from conftest import TESTS, read_rank_results, run_ranks
+from conftest import TESTS, deepspeed_missing, read_rank_results, run_ranks
 from helpers import relative_paths
 
 DEEPSPEED_KINDS = ["zero1", "zero2", "zero3"]
@@ -52,15 +51,9 @@ EXPECTED = {
 _cache: dict[str, list[dict[str, Any]]] = {}
 
 
-def _deepspeed_missing() -> str | None:
-    if importlib.util.find_spec("deepspeed") is None:
-        return "DeepSpeed is not installed (pip install deepspeed): the ZeRO tests need it"
-    return None
-
-
 def results_for(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every scenario of ``kind``, as each rank saw it; run once per session."""
-    if kind in DEEPSPEED_KINDS and (reason := _deepspeed_missing()):
+    if kind in DEEPSPEED_KINDS and (reason := deepspeed_missing()):
         pytest.skip(reason)
     if kind not in _cache:
         out = tmp_path_factory.mktemp(kind)
@@ -199,7 +192,7 @@ def test_recording_under_zero2_issues_no_collective_between_boundaries(tmp_path_
     assert sorted(rank0["collectives-guarded"]["tree"]) == sorted(rank0["collectives-plain"]["tree"])
 
 
-@pytest.mark.skipif(_deepspeed_missing() is not None, reason="DeepSpeed is not installed")
+@pytest.mark.skipif(deepspeed_missing() is not None, reason="DeepSpeed is not installed")
 def test_deepspeed_demo_shows_rejection_intact_directories_and_resume(tmp_path):
     demo = os.path.join(os.path.dirname(TESTS), "examples", "deepspeed_nan_demo.py")
     proc = run_ranks(demo, [], timeout=300, env={"CKGUARD_DEMO_DIR": str(tmp_path)})
@@ -271,7 +264,7 @@ def test_gradient_source_for_picks_the_deepspeed_source_from_the_engine():
     assert isinstance(gradient_source_for(DDPStrategy(), engine), DeepSpeedGradients)  # Fabric passes the engine
 
 
-@pytest.mark.skipif(_deepspeed_missing() is not None, reason="DeepSpeed is not installed")
+@pytest.mark.skipif(deepspeed_missing() is not None, reason="DeepSpeed is not installed")
 def test_gradient_source_for_a_deepspeed_strategy_needs_its_engine():
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
