@@ -18,8 +18,9 @@ Rows:
   MC + SpikeDetection             Lightning's loss-spike callback (loss only, gradients are not looked at)
   MC + detect_anomaly=True        autograd anomaly mode
 
-The paired runs (``--paired-steps``) are the precise figure: one fit alternates the guard's hooks and
-``ModelCheckpoint``'s alone step by step, and a null control alternates nothing.
+The paired runs (``--paired-steps``) are the precise figure: one fit runs its steps in pairs, a coin picking the step
+of each pair that runs the guard's hooks (the other runs ``ModelCheckpoint``'s alone), and a null control with the
+same coins runs ``ModelCheckpoint``'s alone throughout.
 
     python benchmarks/end_to_end.py                                  # both models, ~13 min on 2 cores
     python benchmarks/end_to_end.py --models mlp --repeats 5 --steps 30
@@ -169,34 +170,37 @@ def run(model_name: str, config: str, steps: int, warmup: int, root: str) -> lis
 
 
 def paired(
-    model_name: str, steps: int, warmup: int, root: str, guard_even_steps: bool = True
+    model_name: str, steps: int, warmup: int, root: str, guard_on: bool = True, seed: int = 0
 ) -> tuple[list[float], list[float], list[float]]:
-    """One ``FiniteGradCheckpoint`` run whose per-step hooks alternate: even steps run the guard's own hooks, odd
-    steps only ``ModelCheckpoint``'s (no recording). Neighbouring steps share the machine's state of the moment, so
-    the ratio of a guarded step to the mean of its two unguarded neighbours is free of the drift that dominates
-    run-to-run comparisons. ``guard_even_steps=False`` is the null control: every step runs ``ModelCheckpoint``'s
-    hooks only, so its ratio shows what the method reads when nothing differs. Returns (even step times, odd step
-    times, per-step ratios)."""
+    """One ``FiniteGradCheckpoint`` run whose steps come in pairs: in each pair a coin picks which step runs the
+    guard's own hooks; the other runs only ``ModelCheckpoint``'s (no recording). Neighbouring steps share the
+    machine's state of the moment, so the ratio within a pair is free of the drift that dominates run-to-run
+    comparisons, and the coin keeps any alternating effect (e.g. the allocator reusing memory every other step) out
+    of the ratio. ``guard_on=False`` is the null control: the same coins, but every step runs ``ModelCheckpoint``'s
+    hooks only, so its ratio shows what the method reads when nothing differs. Returns (step times of the picked
+    steps, of the others, per-pair ratios picked / other)."""
     seed_everything(0, verbose=False)
     model = TinyLM() if model_name == "transformer" else MLP()
     checkpoint = FiniteGradCheckpoint(dirpath=f"{root}/{model_name}-paired", every_n_train_steps=10**9)
     record, batch_end = checkpoint.on_before_optimizer_step, checkpoint.on_train_batch_end
+    warmup += warmup % 2  # pairs start at an even global step
+    coins = random.Random(seed)
+    picked = {2 * pair + coins.randrange(2) for pair in range((warmup + steps) // 2)}  # global steps
 
-    def alternating_record(trainer, pl_module, optimizer) -> None:
-        if guard_even_steps and trainer.global_step % 2 == 0:
+    def picked_record(trainer, pl_module, optimizer) -> None:
+        if guard_on and trainer.global_step in picked:
             record(trainer, pl_module, optimizer)
 
-    def alternating_batch_end(trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def picked_batch_end(trainer, pl_module, outputs, batch, batch_idx) -> None:
         # the optimizer step has already advanced global_step
-        if guard_even_steps and (trainer.global_step - 1) % 2 == 0:
+        if guard_on and trainer.global_step - 1 in picked:
             batch_end(trainer, pl_module, outputs, batch, batch_idx)
         else:
             ModelCheckpoint.on_train_batch_end(checkpoint, trainer, pl_module, outputs, batch, batch_idx)
 
-    checkpoint.on_before_optimizer_step = alternating_record  # type: ignore[method-assign]
-    checkpoint.on_train_batch_end = alternating_batch_end  # type: ignore[method-assign]
+    checkpoint.on_before_optimizer_step = picked_record  # type: ignore[method-assign]
+    checkpoint.on_train_batch_end = picked_batch_end  # type: ignore[method-assign]
     timer = StepTimer()
-    warmup += warmup % 2  # so that timed step 0 is an even (guarded) step
     trainer = Trainer(
         accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[timer, checkpoint], default_root_dir=root, num_sanity_val_steps=0,
@@ -204,8 +208,14 @@ def paired(
     )
     trainer.fit(model, data(model_name, warmup + steps))
     times = timer.steps(warmup)
-    ratios = [times[i] / ((times[i - 1] + times[i + 1]) / 2) for i in range(2, len(times) - 1, 2)]
-    return times[0::2], times[1::2], ratios
+    chosen, others, ratios = [], [], []
+    for first in range(0, len(times) - 1, 2):
+        pair = times[first : first + 2]
+        which = 0 if warmup + first in picked else 1
+        chosen.append(pair[which])
+        others.append(pair[1 - which])
+        ratios.append(pair[which] / pair[1 - which])
+    return chosen, others, ratios
 
 
 def bootstrap_interval(ratios: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -224,7 +234,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     parser.add_argument("--paired-steps", type=int, default=-1,
-                        help="steps of each alternating paired run (default: 80 transformer, 400 mlp; 0: skip them)")
+                        help="steps of each paired run (default: 80 transformer, 400 mlp; 0: skip them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -252,16 +262,18 @@ def main() -> None:
             paired_steps = args.paired_steps if args.paired_steps >= 0 else (80 if model_name == "transformer" else 400)
             if paired_steps:
                 guarded, plain, ratios = paired(model_name, paired_steps, args.warmup, root)
-                _, _, null = paired(model_name, paired_steps, args.warmup, root, guard_even_steps=False)
-                print(f"\nPaired runs, {paired_steps} steps each ({len(ratios)} pairs: an even step against the mean "
-                      "of its two odd neighbours):\n")
+                _, _, null = paired(model_name, paired_steps, args.warmup, root, guard_on=False)
+                print(f"\nPaired runs, {paired_steps} steps each ({len(ratios)} pairs of neighbouring steps; a coin "
+                      "picks the step of each pair that runs the guard):\n")
                 low, high = bootstrap_interval(ratios)
                 null_low, null_high = bootstrap_interval(null)
                 print(table(
-                    ["run", "even-step median ms", "odd-step median ms", "median paired ratio", "90% interval"],
-                    [["guard on even steps, ModelCheckpoint alone on odd", ms(median(guarded)), ms(median(plain)),
+                    ["run", "guarded-step median ms", "other-step median ms", "median paired ratio", "90% interval"],
+                    [["guard on the picked step, ModelCheckpoint alone on the other", ms(median(guarded)),
+                      ms(median(plain)),
                       f"{median(ratios):.4f}", f"{low:.4f}-{high:.4f}"],
-                     ["null control: ModelCheckpoint alone on every step", "", "", f"{median(null):.4f}",
+                     ["null control: the same coins, ModelCheckpoint alone on every step", "", "",
+                      f"{median(null):.4f}",
                       f"{null_low:.4f}-{null_high:.4f}"]],
                 ))
                 print(f"\n**Paired step-time ratio, FiniteGradCheckpoint / ModelCheckpoint: {median(ratios):.4f}** "

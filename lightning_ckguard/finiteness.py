@@ -25,13 +25,16 @@ How a tensor is read depends on where it lives (measured in ``benchmarks/``):
   compute fp32 matmuls in bf16/tf32 (``torch.backends.mkldnn.matmul.fp32_precision`` other than ``"ieee"``, e.g.
   ``torch.set_float32_matmul_precision("medium")``), rounding the inputs could turn ``3.4e38`` into ``inf``, so fp32
   falls back to ``aminmax``.
-- **CPU, small tensors** (at most :data:`SMALL_NUMEL` elements, fp32/fp64/bf16/fp16): tensors of one shape are
-  stacked into a small, bounded workspace (:data:`WORKSPACE_NUMEL` elements) and probed by one matrix-vector product
-  per chunk, with the same scaling argument (``2**-14`` for fp16, whose outputs stay below ``4 * SMALL_NUMEL``).
-  This replaces thousands of tiny per-tensor reductions by a few batched ones.
-- **Everything else** (mid-size tensors, large fp64/bf16/fp16 tensors, fp32 under reduced matmul precision, tensors
-  that cannot be viewed as a matrix, other dtypes): ``torch.aminmax`` per tensor, one read-only pass without
-  temporaries, about 1.4x the floor on CPU.
+- **CPU, small tensors** (at most :data:`SMALL_NUMEL` elements, fp32/fp64/bf16/fp16): tensors of one shape, when
+  there are at least :data:`SMALL_BATCH_MIN` of them, are stacked into a small, bounded workspace
+  (:data:`WORKSPACE_NUMEL` elements) and probed by one matrix-vector product per chunk, with the same scaling
+  argument (``2**-14`` for fp16, whose outputs stay below ``4 * SMALL_NUMEL``). This replaces thousands of tiny
+  per-tensor reductions by a few batched ones.
+- **Everything else** (mid-size tensors, small tensors of a rare shape, large fp64/bf16/fp16 tensors, fp32 under
+  reduced matmul precision, tensors that cannot be viewed as a matrix, other dtypes, and large fp32 tensors when
+  ``aminmax`` is the faster reader): ``torch.aminmax`` per tensor, one read-only pass without temporaries, written
+  straight into one preallocated ``(2, n)`` buffer per group, so a model of a few large tensors costs its reads plus
+  a handful of tiny kernels.
 
 Per-parameter attribution is free: every probe is per tensor. Extra memory is O(number of gradient tensors) plus
 two bounded constants per dtype (the workspace and a scale vector of ``max(r)`` elements); no temporary is ever the
@@ -46,7 +49,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from operator import attrgetter
 
 import torch
@@ -61,6 +64,8 @@ SMALL_NUMEL = 4096
 #: jobs) a parallel region per mid-size tensor costs far more than it saves; PyTorch's own reductions stay on one
 #: thread below 32768 elements, as the floor (a plain ``sum``) does.
 LARGE_NUMEL = 1 << 16
+#: Small tensors of one shape are batched when there are at least this many; fewer are cheaper read by ``aminmax``.
+SMALL_BATCH_MIN = 4
 #: Elements of the per-dtype CPU workspace that small tensors are stacked into. It stays below PyTorch's and BLAS's
 #: thresholds for going multithreaded: on a busy machine, a parallel region per tiny chunk costs far more than it saves.
 WORKSPACE_NUMEL = 1 << 15
@@ -203,22 +208,67 @@ class _Chunk:
 
 
 @dataclass
-class _Group:
-    """How to read the tensors of one (device, dtype) group. Entry order: large, small chunks, extremes."""
+class _LargeProbe:
+    """The scaled matrix probe of a group's large tensors: each is read as an ``r x k`` matrix (plus a short tail)
+    and reduced by ``row @ X @ column``; two ``_foreach_mm`` calls for all of them."""
 
-    device: torch.device
-    positions: list[int]  # positions in the input, in entry order
-    large: list[int] = field(default_factory=list)
-    large_shapes: list[tuple[int, int]] = field(default_factory=list)
-    large_tails: list[int] = field(default_factory=list)  # elements past r * k, 0 for most tensors
-    large_orders: list[tuple[int, ...]] = field(default_factory=list)
-    large_reader: str | None = None  # "probe" or "aminmax" once chosen (see cpu_large_tensor_reader)
+    members: list[int]
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    tails: list[int] = field(default_factory=list)  # elements past r * k, 0 for most tensors
+    orders: list[tuple[int, ...]] = field(default_factory=list)  # permutation under which each is contiguous
     rows: list[Tensor] = field(default_factory=list)  # scale rows, (1, r)
     columns: list[Tensor] = field(default_factory=list)  # scale columns, (k, 1)
     tail_entries: Tensor | None = None  # entry index of each tensor with a tail
     tail_rows: list[Tensor] = field(default_factory=list)  # scale rows, (1, tail)
+
+    def read(self, values: list[Tensor]) -> Tensor:
+        """Per member: the probe, finite exactly where the tensor is."""
+        matrices: list[Tensor] = []
+        tails: list[Tensor] = []
+        for i, (r, k), tail, order in zip(self.members, self.shapes, self.tails, self.orders, strict=True):
+            value = values[i].permute(order) if order else values[i]
+            if tail:
+                flat = value.view(-1)
+                matrices.append(flat[: r * k].view(r, k))
+                tails.append(flat[r * k :].view(tail, 1))
+            else:
+                matrices.append(value.view(r, k))
+        partial = _foreach_mm(self.rows, matrices)  # (1, k) each
+        probe = torch.cat(_foreach_mm(partial, self.columns)).view(-1)
+        if tails:
+            assert self.tail_entries is not None
+            probe.index_add_(0, self.tail_entries, torch.cat(_foreach_mm(self.tail_rows, tails)).view(-1))
+        return probe
+
+
+@dataclass
+class _Extremes:
+    """``aminmax`` of each member, written straight into one preallocated ``(2, members)`` buffer."""
+
+    members: list[int]
+    buffer: Tensor
+    mins: list[Tensor] = field(init=False)
+    maxs: list[Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mins, self.maxs = list(self.buffer[0].unbind()), list(self.buffer[1].unbind())
+
+    def read(self, values: list[Tensor]) -> Tensor:
+        """Per member: True where the tensor holds a non-finite value."""
+        for i, low, high in zip(self.members, self.mins, self.maxs, strict=True):
+            torch.aminmax(values[i], out=(low, high))
+        return _non_finite(self.buffer).any(dim=0)
+
+
+@dataclass
+class _Group:
+    """How to read the tensors of one (device, dtype) group. Entry order: large, small chunks, extremes."""
+
+    device: torch.device
+    positions: list[int] = field(default_factory=list)  # positions in the input, in entry order
+    large: _LargeProbe | None = None
     chunks: list[_Chunk] = field(default_factory=list)
-    extremes: list[int] = field(default_factory=list)
+    extremes: _Extremes | None = None  # read by aminmax, in input order
     norms: list[int] = field(default_factory=list)  # accelerators
     index: dict[torch.device, Tensor] = field(default_factory=dict)  # ``positions`` as a tensor, per output device
 
@@ -249,12 +299,12 @@ class NonFiniteCheck:
         """Return a bool tensor on ``out_device``: ``flags[i]`` is True when ``grads[i]`` is not finite."""
         ieee = _fp32_matmul_is_ieee()
         key = (ieee, *map(_signature, grads))
+        values = list(grads)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= self.MAX_PLANS:
                 self._plans.clear()
-            plan = self._plans[key] = self._plan(grads, ieee)
-        values = list(grads)
+            plan = self._plans[key] = self._plan(values, ieee)
         for i in plan.converted:
             values[i] = _dense_values(values[i])
         with torch.no_grad():
@@ -282,51 +332,19 @@ class NonFiniteCheck:
         if group.norms:
             return _extremes_non_finite([values[i] for i in group.norms], group.device)
         bad: list[Tensor] = []
-        probes: list[Tensor] = []
-        if group.large:
-            if group.large_reader is None:
-                group.large_reader = _forced_reader() or _calibrate(
-                    lambda: self._probe_large(group, values),
-                    lambda: _extremes_non_finite([values[i] for i in group.large], group.device),
-                    sum(values[i].numel() for i in group.large),
-                )
-            if group.large_reader == "probe":
-                probes.append(self._probe_large(group, values))
-            else:  # entry order: the large tensors come first
-                bad.append(_extremes_non_finite([values[i] for i in group.large], group.device))
+        probes = [] if group.large is None else [group.large.read(values)]
         for chunk in group.chunks:
             torch.stack([values[i] for i in chunk.members], out=chunk.stacked)
             probes.append(torch.mm(chunk.matrix, chunk.column).view(-1))
         if probes:
             bad.append(_non_finite(torch.cat(probes) if len(probes) > 1 else probes[0]))
-        if group.extremes:
-            bad.append(_extremes_non_finite([values[i] for i in group.extremes], group.device))
+        if group.extremes is not None:
+            bad.append(group.extremes.read(values))
         return torch.cat(bad) if len(bad) > 1 else bad[0]
-
-    @staticmethod
-    def _probe_large(group: _Group, values: list[Tensor]) -> Tensor:
-        """The scaled matrix probe of every large tensor of ``group``: finite exactly where the tensor is."""
-        matrices: list[Tensor] = []
-        tails: list[Tensor] = []
-        plan = zip(group.large, group.large_shapes, group.large_tails, group.large_orders, strict=True)
-        for i, (r, k), tail, order in plan:
-            value = values[i].permute(order) if order else values[i]
-            if tail:
-                flat = value.view(-1)
-                matrices.append(flat[: r * k].view(r, k))
-                tails.append(flat[r * k :].view(tail, 1))
-            else:
-                matrices.append(value.view(r, k))
-        partial = _foreach_mm(group.rows, matrices)  # (1, k) each
-        probe = torch.cat(_foreach_mm(partial, group.columns)).view(-1)
-        if tails:
-            assert group.tail_entries is not None
-            probe.index_add_(0, group.tail_entries, torch.cat(_foreach_mm(group.tail_rows, tails)).view(-1))
-        return probe
 
     # ------------------------------------------------------------------ planning (once per layout)
 
-    def _plan(self, grads: Sequence[Tensor], ieee: bool) -> _Plan:
+    def _plan(self, grads: list[Tensor], ieee: bool) -> _Plan:
         converted = [i for i, g in enumerate(grads) if g.layout != torch.strided or g.is_complex()]
         values = list(grads)
         for i in converted:
@@ -345,53 +363,79 @@ class NonFiniteCheck:
     ) -> _Group:
         if device.type != "cpu":
             return _Group(device, positions, norms=positions)
-        group = _Group(device, [])
+        group = _Group(device)
         probe = dtype in _SCALE and (dtype != torch.float32 or ieee)
         by_shape: dict[tuple[int, ...], list[int]] = {}
-        large: list[tuple[int, tuple[int, int, int], tuple[int, ...]]] = []
+        large: list[int] = []
+        extremes: list[int] = []
         for i in positions:
-            value = values[i]
-            numel = value.numel()
+            numel = values[i].numel()
             if probe and numel <= SMALL_NUMEL:
-                by_shape.setdefault(tuple(value.shape), []).append(i)
-                continue
-            viewable = probe and numel > LARGE_NUMEL and dtype in _LARGE_PROBE_DTYPES
-            order = _flat_order(value) if viewable else None
-            if order is None:
-                group.extremes.append(i)
+                by_shape.setdefault(tuple(values[i].shape), []).append(i)
+            elif probe and numel > LARGE_NUMEL and dtype in _LARGE_PROBE_DTYPES and _flat_order(values[i]) is not None:
+                large.append(i)
             else:
-                large.append((i, _matrix_shape(numel), order))
+                extremes.append(i)
         if large:
-            scale = self._scale(device, dtype, max(max(r, k) for _, (r, k, _), _ in large))
-            tail_entries = []
-            for entry, (i, (r, k, tail), order) in enumerate(large):
-                group.large.append(i)
-                group.large_shapes.append((r, k))
-                group.large_tails.append(tail)
-                group.large_orders.append(order)
-                group.rows.append(scale[:r].view(1, r))
-                group.columns.append(scale[:k].view(k, 1))
-                if tail:
-                    tail_entries.append(entry)
-                    group.tail_rows.append(scale[:tail].view(1, tail))
-            if tail_entries:
-                group.tail_entries = torch.tensor(tail_entries, dtype=torch.int64, device=device)
+            group.large = self._plan_large_probe(device, dtype, large, values)
+            reader = _forced_reader() or _calibrate(
+                partial(group.large.read, values),
+                partial(_extremes_non_finite, [values[i] for i in large], device),
+                sum(values[i].numel() for i in large),
+            )
+            if reader == "aminmax":
+                group.large = None
+                extremes += large
+        # a shape with few members is cheaper read by aminmax than stacked and probed (benchmarks/)
+        for shape in [shape for shape, indices in by_shape.items() if len(indices) < SMALL_BATCH_MIN]:
+            extremes += by_shape.pop(shape)
         if by_shape:
-            workspace = self._workspace(device, dtype, max(min(len(m), max(1, WORKSPACE_NUMEL // math.prod(s)))
-                                                           * math.prod(s) for s, m in by_shape.items()))
-            scale = self._scale(device, dtype, max(math.prod(s) for s in by_shape))
-            for shape, indices in by_shape.items():
-                numel = math.prod(shape)
-                per_chunk = max(1, WORKSPACE_NUMEL // numel)
-                for start in range(0, len(indices), per_chunk):
-                    chunk = indices[start : start + per_chunk]
-                    memory = workspace[: len(chunk) * numel]
-                    group.chunks.append(
-                        _Chunk(chunk, memory.view(len(chunk), *shape), memory.view(len(chunk), numel),
-                               scale[:numel].view(numel, 1))
-                    )
-        group.positions = group.large + [i for c in group.chunks for i in c.members] + group.extremes
+            group.chunks = self._plan_chunks(device, dtype, by_shape)
+        if extremes:
+            extremes.sort()
+            group.extremes = _Extremes(extremes, torch.empty(2, len(extremes), dtype=dtype, device=device))
+        group.positions = ([] if group.large is None else group.large.members) + [
+            i for c in group.chunks for i in c.members] + extremes
         return group
+
+    def _plan_large_probe(
+        self, device: torch.device, dtype: torch.dtype, members: list[int], values: list[Tensor]
+    ) -> _LargeProbe:
+        probe = _LargeProbe(members)
+        shapes = [_matrix_shape(values[i].numel()) for i in members]
+        scale = self._scale(device, dtype, max(max(r, k) for r, k, _ in shapes))
+        tail_entries = []
+        for entry, (i, (r, k, tail)) in enumerate(zip(members, shapes, strict=True)):
+            order = _flat_order(values[i])
+            assert order is not None
+            probe.shapes.append((r, k))
+            probe.tails.append(tail)
+            probe.orders.append(order)
+            probe.rows.append(scale[:r].view(1, r))
+            probe.columns.append(scale[:k].view(k, 1))
+            if tail:
+                tail_entries.append(entry)
+                probe.tail_rows.append(scale[:tail].view(1, tail))
+        if tail_entries:
+            probe.tail_entries = torch.tensor(tail_entries, dtype=torch.int64, device=device)
+        return probe
+
+    def _plan_chunks(
+        self, device: torch.device, dtype: torch.dtype, by_shape: dict[tuple[int, ...], list[int]]
+    ) -> list[_Chunk]:
+        workspace = self._workspace(device, dtype, max(min(len(m), max(1, WORKSPACE_NUMEL // math.prod(s)))
+                                                       * math.prod(s) for s, m in by_shape.items()))
+        scale = self._scale(device, dtype, max(math.prod(s) for s in by_shape))
+        chunks = []
+        for shape, indices in by_shape.items():
+            numel = math.prod(shape)
+            per_chunk = max(1, WORKSPACE_NUMEL // numel)
+            for start in range(0, len(indices), per_chunk):
+                members = indices[start : start + per_chunk]
+                memory = workspace[: len(members) * numel]
+                chunks.append(_Chunk(members, memory.view(len(members), *shape), memory.view(len(members), numel),
+                                     scale[:numel].view(numel, 1)))
+        return chunks
 
     def _scale(self, device: torch.device, dtype: torch.dtype, length: int) -> Tensor:
         scale = self._scales.get((device, dtype))

@@ -49,6 +49,10 @@ class NonFiniteWindow:
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self._pending: tuple[Tensor, int] | None = None
+        self._every_index: tuple[int, ...] = ()
+        # views of the applied-step entries, updated in place by the usual (not skipped) step
+        self._applied_count, self._applied_first, self._applied_last = (
+            self.step_counts[0], self.first_steps[0], self.last_steps[0])
 
     def record(
         self,
@@ -93,23 +97,27 @@ class NonFiniteWindow:
             grown = torch.zeros(num_parameters, dtype=torch.int32, device=self.device)
             grown[: self.parameter_counts.numel()] = self.parameter_counts
             self.parameter_counts = grown
+            self._every_index = tuple(range(num_parameters))
         if not grads:
             return self._false
         flags = self._check(grads, self.device)
-        self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
+        if indices == self._every_index:  # every parameter in index order (the usual step): no index tensor
+            self.parameter_counts.add_(flags)
+        else:
+            self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
         return flags.any()
 
     def _count(self, non_finite: Tensor, step: int, skipped: Tensor | bool | None) -> None:
-        if skipped is None or skipped is False:
-            skip = self._false
-        elif skipped is True:
-            skip = self._true
+        # a handful of tiny kernels per step; ``first`` is set from ``last`` the first time ``last`` is set
+        if skipped is None or skipped is False:  # the usual step: only the applied-step counters can change
+            counts, first, last, events = self._applied_count, self._applied_first, self._applied_last, non_finite
         else:
-            skip = skipped.to(self.device, torch.bool, non_blocking=True)
-        events = torch.stack([non_finite & ~skip, skip])
-        self.step_counts += events
-        self.first_steps.copy_(torch.where(events & (self.first_steps < 0), step, self.first_steps))
-        self.last_steps.copy_(torch.where(events, step, self.last_steps))
+            skip = self._true if skipped is True else skipped.to(self.device, torch.bool, non_blocking=True)
+            counts, first, last = self.step_counts, self.first_steps, self.last_steps
+            events = torch.stack([non_finite & ~skip, skip])
+        counts.add_(events)
+        last.masked_fill_(events, step)
+        torch.where(first < 0, last, first, out=first)
 
     def summary(self) -> Tensor:
         """This rank's window as an int64 vector of ``SUMMARY_SIZE`` on the device (boundary use only)."""

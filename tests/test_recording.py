@@ -24,13 +24,27 @@ def test_large_finite_gradients_are_not_flagged(value):
     assert not NonFiniteCheck()(grads, torch.device("cpu")).any()
 
 
+@pytest.mark.parametrize("copies", [1, finiteness.SMALL_BATCH_MIN], ids=["per-tensor", "batched"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_nan_and_both_infinities_are_flagged_per_tensor(value, dtype):
-    grads = [torch.ones(50, dtype=dtype), torch.ones(7, 7, dtype=dtype), torch.ones(3, dtype=dtype)]
-    grads[1][4, 2] = value
+def test_nan_and_both_infinities_are_flagged_per_tensor(value, dtype, copies):
+    # one tensor of each shape is read by aminmax; SMALL_BATCH_MIN of one shape are stacked and probed
+    grads = [torch.ones(shape, dtype=dtype) for shape in [(50,), (7, 7), (3,)] for _ in range(copies)]
+    grads[copies][4, 2] = value
     flags = NonFiniteCheck()(grads, torch.device("cpu"))
-    assert flags.tolist() == [False, True, False]
+    assert flags.tolist() == [i == copies for i in range(len(grads))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_batched_small_tensor_probe_never_overflows(dtype):
+    # the largest finite values of the dtype, in the most elements the batched path takes
+    largest = torch.finfo(dtype).max
+    grads = [torch.full((finiteness.SMALL_NUMEL,), sign * largest, dtype=dtype)
+             for sign in (1, -1) for _ in range(finiteness.SMALL_BATCH_MIN)]
+    check = NonFiniteCheck()
+    assert not check(grads, torch.device("cpu")).any()
+    grads[5][-1] = float("inf")
+    assert check(grads, torch.device("cpu")).tolist() == [i == 5 for i in range(len(grads))]
 
 
 def test_mixed_dtypes_empty_sparse_and_complex_gradients():
@@ -110,16 +124,19 @@ def test_guard_adds_zero_host_syncs_per_training_step(tmp_path):
 @pytest.mark.parametrize("shape", [(4096,), (5000,), (70_000,), (65_537,), (1024, 1536), (3, 100_003)])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_every_cpu_read_path_is_exact(shape, value, reader, monkeypatch):
-    # small batched, mid-size aminmax, and large tensors read by either large-tensor reader; contiguous and transposed
+    # small batched, small and mid-size aminmax, and large tensors read by either large-tensor reader; contiguous and
+    # transposed
     monkeypatch.setenv("CKGUARD_CPU_READER", reader)
     cpu = torch.device("cpu")
     big = torch.full(shape, torch.finfo(torch.float32).max)
     assert not NonFiniteCheck()([big, -big], cpu).any()
+    same_shape = [big.clone() for _ in range(finiteness.SMALL_BATCH_MIN)]  # so that small shapes are batched
     for position in (0, big.numel() // 2, big.numel() - 1):
         grad = big.clone()
         grad.view(-1)[position] = value
         other = grad.t() if grad.dim() == 2 else grad
-        assert NonFiniteCheck()([torch.ones(3), grad, other], cpu).tolist() == [False, True, True]
+        flags = NonFiniteCheck()([torch.ones(3), grad, other, *same_shape], cpu)
+        assert flags.tolist() == [False, True, True] + [False] * len(same_shape)
 
 
 def test_reduced_fp32_matmul_precision_stays_exact():
