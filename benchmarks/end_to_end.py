@@ -22,7 +22,7 @@ The paired runs (``--paired-steps``) are the precise figure: one fit runs its st
 of each pair that runs the guard's hooks (the other runs ``ModelCheckpoint``'s alone), and a null control with the
 same coins runs ``ModelCheckpoint``'s alone throughout.
 
-    python benchmarks/end_to_end.py                                  # both models, ~13 min on 2 cores
+    python benchmarks/end_to_end.py                                  # both models, ~14 min on 2 cores
     python benchmarks/end_to_end.py --models mlp --repeats 5 --steps 30
 """
 
@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     parser.add_argument("--paired-steps", type=int, default=-1,
-                        help="steps of each paired run (default: 80 transformer, 400 mlp; 0: skip them)")
+                        help="steps of each paired run (default: 160 transformer, 400 mlp; 0: skip them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -259,7 +259,8 @@ def main() -> None:
                 share = median(RECORDING) / base
                 print(f"\nThe guard's recording hook, timed inside the same steps: median {ms(median(RECORDING))} ms "
                       f"per step = {share:.2%} of the median ModelCheckpoint step (implied ratio {1 + share:.3f}).")
-            paired_steps = args.paired_steps if args.paired_steps >= 0 else (80 if model_name == "transformer" else 400)
+            default_paired = 160 if model_name == "transformer" else 400
+            paired_steps = args.paired_steps if args.paired_steps >= 0 else default_paired
             if paired_steps:
                 guarded, plain, ratios = paired(model_name, paired_steps, args.warmup, root)
                 _, _, null = paired(model_name, paired_steps, args.warmup, root, guard_on=False)
