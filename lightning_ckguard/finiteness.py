@@ -253,6 +253,11 @@ class _Extremes:
     def __post_init__(self) -> None:
         self.mins, self.maxs = list(self.buffer[0].unbind()), list(self.buffer[1].unbind())
 
+    @classmethod
+    def over(cls, members: list[int], dtype: torch.dtype, device: torch.device) -> _Extremes:
+        """A reader of ``members`` (tensors of ``dtype`` on ``device``) with its own buffer."""
+        return cls(members, torch.empty(2, len(members), dtype=dtype, device=device))
+
     def read(self, values: list[Tensor]) -> Tensor:
         """Per member: True where the tensor holds a non-finite value."""
         for i, low, high in zip(self.members, self.mins, self.maxs, strict=True):
@@ -380,7 +385,7 @@ class NonFiniteCheck:
             group.large = self._plan_large_probe(device, dtype, large, values)
             reader = _forced_reader() or _calibrate(
                 partial(group.large.read, values),
-                partial(_extremes_non_finite, [values[i] for i in large], device),
+                partial(_Extremes.over(large, dtype, device).read, values),  # the aminmax path as it would run
                 sum(values[i].numel() for i in large),
             )
             if reader == "aminmax":
@@ -393,7 +398,7 @@ class NonFiniteCheck:
             group.chunks = self._plan_chunks(device, dtype, by_shape)
         if extremes:
             extremes.sort()
-            group.extremes = _Extremes(extremes, torch.empty(2, len(extremes), dtype=dtype, device=device))
+            group.extremes = _Extremes.over(extremes, dtype, device)
         group.positions = ([] if group.large is None else group.large.members) + [
             i for c in group.chunks for i in c.members] + extremes
         return group
@@ -451,10 +456,10 @@ class NonFiniteCheck:
 
 
 def _extremes_non_finite(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    """Per tensor: True where it holds a non-finite value. One read-only pass each, no gradient-sized temporaries."""
+    """Per tensor (all of one dtype): True where it holds a non-finite value. One read-only pass each, no
+    gradient-sized temporaries; the plan-free reduction."""
     if device.type == "cpu":
-        extremes = torch.stack([value for t in tensors for value in torch.aminmax(t)])  # min, max, min, max, ...
-        return _non_finite(extremes).view(-1, 2).any(dim=1)
+        return _Extremes.over(list(range(len(tensors))), tensors[0].dtype, device).read(list(tensors))
     # accelerators: one fused multi-tensor launch; the max-norm is max(|x|) and propagates NaN
     norms = torch._foreach_norm(list(tensors), ord=float("inf"))
     return _non_finite(torch.stack(norms))
