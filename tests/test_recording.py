@@ -86,6 +86,18 @@ def test_frozen_and_gradless_parameters_are_ignored():
     assert guard.agree().accepted
 
 
+def test_attribution_when_only_some_parameters_have_gradients():
+    # the window maps flags to parameter indices with a scatter when not every parameter is present
+    model = _model()
+    guard = GradientGuard(model)
+    model(torch.randn(5, 4)).sum().backward()
+    model[0].bias.grad = None
+    model[2].weight.grad[0, 0] = float("inf")
+    guard.record(step=7)
+    verdict = guard.agree(global_step=8)
+    assert (verdict.accepted, verdict.first_step, verdict.parameters) == (False, 7, ("2.weight",))
+
+
 def test_recording_a_step_reads_nothing_back_to_the_host():
     model = _model()
     guard = GradientGuard(model)
