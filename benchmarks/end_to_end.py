@@ -25,7 +25,7 @@ same coins runs ``ModelCheckpoint``'s alone throughout.
     python benchmarks/end_to_end.py                                  # both models, ~14 min on 2 cores
     python benchmarks/end_to_end.py --models mlp --repeats 5 --steps 30
     # the precise transformer figure (~45 min): 1 thread, because with 2 threads on 2 vCPUs neighbouring steps
-    # differ by 5-7% and the paired interval stays wider than 1%
+    # differ by 5-7% (against 2%), so the same number of pairs gives a wider interval
     python benchmarks/end_to_end.py --models transformer --threads 1 --configs ModelCheckpoint \
         FiniteGradCheckpoint --repeats 1 --paired-steps 400
 """
