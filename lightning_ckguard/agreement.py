@@ -123,11 +123,26 @@ class Verdict:
         indices = sorted({i for r in self.reports if r.rejects(self.count_skipped_steps) for i in r.parameter_indices})
         return tuple(self.parameter_names[i] if i < len(self.parameter_names) else f"<parameter {i}>" for i in indices)
 
+    def report(self, boundary: str) -> BoundaryReport:
+        """Describe this verdict as decided at ``boundary`` (e.g. ``"validation end"``), for people and loggers."""
+        return BoundaryReport(
+            boundary=boundary,
+            global_step=self.global_step,
+            accepted=self.accepted,
+            ranks=self.ranks,
+            first_step=self.first_step,
+            last_step=self.last_step,
+            num_steps=self.num_steps,
+            skipped_steps=self.skipped_steps,
+            parameters=self.parameters,
+            pending_rejection=any(r.pending_rejection for r in self.reports),
+        )
+
     def to_error(self) -> NonFiniteGradientError:
         """The error every rank raises for a rejected boundary."""
         if self.accepted:
             raise ValueError("An accepted verdict has no error.")
-        return BoundaryReport.from_verdict(self, boundary="agreement").to_error()
+        return self.report(boundary="agreement").to_error()
 
 
 def reach_verdict(

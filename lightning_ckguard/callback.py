@@ -1,14 +1,15 @@
 """``FiniteGradCheckpoint``: ``ModelCheckpoint`` that publishes nothing a non-finite gradient has touched.
 
-The callback is deliberately thin. Each saving hook of ``ModelCheckpoint`` becomes one boundary:
+The callback is deliberately thin. Each saving hook of ``ModelCheckpoint`` runs once, as one boundary
+(:func:`~lightning_ckguard.publication.run_boundary`):
 
-1. propose: dry-run the parent hook (:class:`~lightning_ckguard.publication.BoundaryPublication`);
-2. if it writes nothing, keep its bookkeeping and stop: the window is not consumed;
-3. agree: one collective through ``trainer.strategy`` (:class:`~lightning_ckguard.guard.GradientGuard`);
-4. publish (commit, serialize, link, evict) on acceptance, or apply the ``on_non_finite`` policy and change nothing.
+1. the hook decides, exactly as ``ModelCheckpoint`` does; a hook that writes nothing keeps its bookkeeping and does
+   not consume the window;
+2. at its first file operation every rank agrees in one collective through ``trainer.strategy``
+   (:class:`~lightning_ckguard.guard.GradientGuard`);
+3. on acceptance the hook goes on (commit, serialize, link; evictions at the end); on rejection it is unwound, its
+   bookkeeping restored, and the ``on_non_finite`` policy applied.
 """
-
-from __future__ import annotations
 
 import logging
 import os
@@ -22,21 +23,23 @@ from weakref import proxy
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_ckguard._distributed import barrier, broadcast_value
 from lightning_ckguard._validation import unwritable_dirpath_error, validate_arguments
 from lightning_ckguard.agreement import Verdict
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.ledger import Ledger
-from lightning_ckguard.publication import BoundaryPublication
+from lightning_ckguard.publication import BoundaryTransaction, active_transaction, run_boundary
 from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.seal import PublicationSeal, agree_on_write
 from lightning_ckguard.skips import scaler_skip_flag
-from lightning_ckguard.sources import gradient_source_for
+from lightning_ckguard.source_selection import gradient_source_for
 from lightning_ckguard.staging import (
     checkpoint_is_complete,
     discard,
@@ -57,6 +60,10 @@ _warnings = WarningCache()
 #: Version of the callback state this release writes; states without one are ``ModelCheckpoint``'s format (version 1).
 STATE_FORMAT_VERSION = 1
 _FORMAT_KEY = "ckguard_format_version"
+
+#: Attributes that only mean something while a fit runs (a Trainer, a module's gradient source, this boundary's vote):
+#: not part of the callback's value, so a pickled or deep-copied callback leaves them out.
+_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote")
 
 
 class FiniteGradCheckpoint(ModelCheckpoint):
@@ -134,7 +141,6 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         self.on_non_finite: NonFinitePolicy = on_non_finite
         self.count_skipped_steps = count_skipped_steps
         self._guard: GradientGuard | None = None
-        self._publication = BoundaryPublication()
         self._rejection: NonFiniteGradientError | None = None
         self._trainer: pl.Trainer | None = None
         self._last_verdict: Verdict | None = None
@@ -175,12 +181,18 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and self.dirpath is not None and is_local(self._fs):
             for action in recover(str(self.dirpath)):  # what a crash during an earlier publication left behind
                 rank_zero_warn(f"FiniteGradCheckpoint {action}.")
-        if getattr(trainer.strategy, "world_size", 1) > 1:
-            trainer.strategy.barrier("FiniteGradCheckpoint.recover")  # every rank restores from the recovered files
+        barrier(trainer.strategy, "FiniteGradCheckpoint.recover")  # every rank restores from the recovered files
         if stage == "fit" and self.dirpath is not None and is_local(self._fs):
             # every rank, as every rank writes its part of a directory checkpoint: fail now, not at the first save
             failure = unwritable_dirpath_error(str(self.dirpath), trainer.global_rank, trainer.global_step)
             agree_on_write(trainer.strategy, failure, str(self.dirpath))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # After a rejection the seal stays: no later save in this process may publish the diverged state.
+        if self._rejection is None:
+            PublicationSeal.uninstall(trainer, self)
+        self._trainer = None
+        self._guard = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after the strategy wrapped the model and built the optimizers, so parameter identities are final
@@ -235,32 +247,26 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         if self._rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
         try:
-            self._publish_if_agreed(trainer, name, hook, during_exception)
+            outcome = run_boundary(
+                self,
+                hook,
+                agree=lambda: self._agree(trainer, name).accepted,
+                remove=partial(ModelCheckpoint._remove_checkpoint, self, trainer),
+            )
         finally:
             self._vote = None  # the top-K vote belongs to this boundary: the next one takes its own
-
-    def _publish_if_agreed(
-        self, trainer: pl.Trainer, name: str, hook: Callable[[], None], during_exception: bool
-    ) -> None:
-        proposal = self._publication.propose(self, hook)
-        if not proposal.publishes:
-            proposal.adopt(self)  # bookkeeping and log lines only (deferrals, timers), exactly as ModelCheckpoint
-            return
-        verdict = self._agree(trainer, name)
-        if not verdict.accepted:
+        if outcome == "rejected":
             self._reject(trainer, during_exception)
-            return
-        remove = partial(ModelCheckpoint._remove_checkpoint, self, trainer)
-        self._publication.publish(self, hook, rollback_to=proposal.before, remove=remove)
-        assert self._guard is not None
-        log.debug("FiniteGradCheckpoint published at %s, global step %d: %s", name, trainer.global_step, verdict.reason)
-        self._guard.reset()
+        elif outcome == "published":
+            assert self._guard is not None
+            log.debug("FiniteGradCheckpoint published at %s, global step %d", name, trainer.global_step)
+            self._guard.reset()
 
     def _agree(self, trainer: pl.Trainer, boundary: str) -> Verdict:
         if self._guard is None:  # not fitting: nothing was recorded, but every rank still meets here
             self._guard = GradientGuard(trainer.lightning_module, device=trainer.strategy.root_device)
         verdict = self._guard.agree(trainer.strategy, global_step=trainer.global_step)
-        report = BoundaryReport.from_verdict(verdict, boundary)
+        report = verdict.report(boundary)
         self._last_verdict, self._last_report = verdict, report
         self._counts["accepted" if verdict.accepted else "rejected"] += 1
         self._log_metrics(trainer, report)
@@ -311,8 +317,8 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         while the fit is still running or Lightning is handling an exception (so the original error surfaces and
         the Trainer tears down), raised as the ``NonFiniteGradientError`` otherwise.
         """
-        if self._publication.publishing:
-            return True
+        if self._own_transaction() is not None:
+            return True  # our own boundary's write: its agreement was the first file operation (admit)
         if trainer is not self._trainer:
             # a Trainer this callback has since left: it records nothing for it any more, but a rejection stands
             if self._rejection is not None:
@@ -336,19 +342,34 @@ class FiniteGradCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------ ModelCheckpoint's file operations
 
+    def _own_transaction(self) -> BoundaryTransaction | None:
+        """The transaction of this callback's boundary while its hook runs, else None."""
+        transaction = active_transaction()
+        return transaction if transaction is not None and transaction.checkpoint is self else None
+
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        if self._publication.planning:
-            self._publication.plan("save", filepath)
-            # the bookkeeping ModelCheckpoint._save_checkpoint does after writing: later steps of the hook read it
-            self._last_global_step_saved = trainer.global_step
-            self._last_checkpoint_saved = filepath
+        transaction = self._own_transaction()
+        if transaction is None:  # called outside a boundary: the seal still puts it through the preflight
+            super()._save_checkpoint(trainer, filepath)
             return
-        if self._publication.publishing:
-            self._publication.note_write(filepath, existed=trainer.is_global_zero and self._fs.exists(filepath))
-            if is_local(self._fs) or writes_directories(trainer.strategy):
-                self._save_staged(trainer, filepath)
-                return
-        super()._save_checkpoint(trainer, filepath)
+        transaction.admit()  # the boundary's first file operation agrees; a rejection unwinds the hook here
+        transaction.note_write(filepath, existed=trainer.is_global_zero and self._fs.exists(filepath))
+        if self._stages_writes(trainer):
+            self._save_staged(trainer, filepath)
+        else:
+            super()._save_checkpoint(trainer, filepath)
+
+    def _stages_writes(self, trainer: pl.Trainer) -> bool:
+        """Whether a checkpoint is written beside its name and renamed into place: on a local filesystem, for the
+        writes Lightning itself makes at exactly the path it is given. A ``save_checkpoint`` the user replaced (a
+        ``Mock``) or a ``CheckpointIO`` of their own gets the real path, as from ``ModelCheckpoint``."""
+        attribute = vars(trainer).get("save_checkpoint")
+        through_lightning = attribute.writes_through_lightning if isinstance(attribute, PublicationSeal) else (
+            attribute is None
+        )
+        if not (through_lightning and is_local(self._fs)):
+            return False
+        return writes_directories(trainer.strategy) or isinstance(trainer.strategy.checkpoint_io, TorchCheckpointIO)
 
     def _save_staged(self, trainer: pl.Trainer, filepath: str) -> None:
         """``ModelCheckpoint._save_checkpoint``, publishing atomically: every rank writes into a staging sibling
@@ -362,7 +383,8 @@ class FiniteGradCheckpoint(ModelCheckpoint):
                 discard(staging)
             raise
         failure: Exception | None = None
-        if trainer.is_global_zero:
+        # a write that left nothing there (a checkpoint IO writing elsewhere) has nothing to publish
+        if trainer.is_global_zero and os.path.lexists(staging):
             try:
                 move_into_place(staging, filepath)
             except Exception as error:
@@ -386,20 +408,18 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         candidates = super()._monitor_candidates(trainer)
         if self.monitor is None:
             return candidates
-        if not (self._publication.publishing and self._vote is not None):  # the dry run took it; reuse it
-            current = candidates.get(self.monitor)
-            improves = local_top_k_decision(
-                current, self.best_k_models, self.kth_best_model_path, self.save_top_k, self.mode
+        current = candidates.get(self.monitor)
+        top_k = (self.best_k_models, self.kth_best_model_path, self.save_top_k, self.mode)
+        improves = local_top_k_decision(current, *top_k)
+        self._vote = agree_on_top_k(trainer.strategy, present=current is not None, improves=improves)
+        missing = self._vote.missing_ranks
+        if missing and len(missing) < trainer.world_size:
+            _warnings.warn(
+                f"`FiniteGradCheckpoint(monitor={self.monitor!r})`: the monitored key is missing from the logged "
+                f"metrics of rank(s) {list(missing)} at global step {trainer.global_step}, so every rank treats it "
+                f"as missing. HINT: log it on every rank (not with `rank_zero_only=True`)."
             )
-            self._vote = agree_on_top_k(trainer.strategy, present=current is not None, improves=improves)
-            missing = self._vote.missing_ranks
-            if missing and len(missing) < trainer.world_size:
-                _warnings.warn(
-                    f"`FiniteGradCheckpoint(monitor={self.monitor!r})`: the monitored key is missing from the logged "
-                    f"metrics of rank(s) {list(missing)} at global step {trainer.global_step}, so every rank treats it "
-                    f"as missing. HINT: log it on every rank (not with `rank_zero_only=True`)."
-                )
-        if self._vote.missing_ranks:
+        if missing:
             candidates.pop(self.monitor, None)
         return candidates
 
@@ -410,29 +430,50 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         return self._vote.improves
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        if self._publication.planning:
-            self._publication.plan("remove", filepath)
-        elif self._publication.publishing:
-            self._publication.defer_removal(filepath)
+        transaction = self._own_transaction()
+        if transaction is not None:
+            transaction.defer_removal(filepath)  # only once every write of the boundary succeeded
         else:
             super()._remove_checkpoint(trainer, filepath)
 
-    def _link_checkpoint(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
-        if self._publication.planning:
-            self._publication.plan("link", linkpath, target=filepath)
+    @staticmethod
+    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        # a static method, as in ModelCheckpoint: the boundary it belongs to is the transaction running now
+        transaction = active_transaction()
+        if transaction is None or not isinstance(transaction.checkpoint, FiniteGradCheckpoint):
+            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
             return
-        if self._publication.publishing:
-            self._publication.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
-            if is_local(self._fs):
-                # the link is made beside `linkpath` (same relative target) and renamed over it: `last` is never gone
-                staging = staging_path(linkpath)
-                ModelCheckpoint._link_checkpoint(trainer, filepath, staging)  # rank 0 links, then a barrier
-                if trainer.is_global_zero:
-                    move_into_place(staging, linkpath)
-                return
-        ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+        transaction.admit()  # a boundary whose first file operation is a link agrees here
+        transaction.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
+        if not is_local(transaction.checkpoint._fs):
+            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+            return
+        # the link is made beside `linkpath` (same relative target) and renamed over it: `last` is never gone
+        staging = staging_path(linkpath)
+        ModelCheckpoint._link_checkpoint(trainer, filepath, staging)  # rank 0 links, then a barrier
+        if trainer.is_global_zero and os.path.lexists(staging):
+            move_into_place(staging, linkpath)
 
     # ------------------------------------------------------------------ resuming
+
+    @property
+    def state_key(self) -> str:
+        """Exactly the key ``ModelCheckpoint`` with the same arguments stores its state under, so checkpoints move
+        between the two classes both ways with nothing lost (a subclass keeps its own name, as for any callback)."""
+        key = super().state_key
+        if type(self).__qualname__ == FiniteGradCheckpoint.__qualname__:
+            return ModelCheckpoint.__qualname__ + key[len(FiniteGradCheckpoint.__qualname__) :]
+        return key
+
+    @property
+    def _legacy_state_key(self) -> Any:
+        # where earlier releases stored the state ("FiniteGradCheckpoint{...}"): Lightning falls back to it on load
+        if type(self).__qualname__ == FiniteGradCheckpoint.__qualname__:
+            return FiniteGradCheckpoint.__qualname__ + self.state_key[len(ModelCheckpoint.__qualname__) :]
+        return super()._legacy_state_key
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), **dict.fromkeys(_RUNTIME_ATTRIBUTES)}
 
     def state_dict(self) -> dict[str, Any]:
         """``ModelCheckpoint``'s state, plus the format version of this release."""
@@ -480,8 +521,8 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         local = is_local(self._fs)
         missing = [p for p in paths if p and not (self._fs.exists(p) and (not local or checkpoint_is_complete(p)))]
         trainer = self._trainer
-        if trainer is not None and getattr(trainer.strategy, "world_size", 1) > 1:
-            missing = trainer.strategy.broadcast(missing, src=0)
+        if trainer is not None:
+            missing = broadcast_value(trainer.strategy, missing, src=0)
         if not missing:
             return
         Ledger.capture(self).without(missing, self.mode).apply_to(self)
@@ -490,16 +531,3 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             "are incomplete: "
             + ", ".join(missing)
         )
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Adopt the top-K state of a plain ``ModelCheckpoint`` with the same monitor, mode and frequency when the
-        checkpoint has no state of our own (migrating an existing run)."""
-        states = checkpoint.get("callbacks") or {}
-        if self.state_key in states:
-            return
-        plain_key = "ModelCheckpoint" + self.state_key[len(type(self).__qualname__) :]
-        if plain_key in states:
-            self.load_state_dict(states[plain_key])
-            rank_zero_info(f"FiniteGradCheckpoint adopted the top-K state of `{plain_key}` from the checkpoint.")

@@ -1,14 +1,81 @@
-"""The error raised on every rank when a checkpoint boundary is rejected."""
+"""The errors raised on every rank: a rejected checkpoint boundary, and a checkpoint write that failed on some rank.
+
+The words of the rejection live here, next to the error that carries them, so the error depends on nothing else in the
+package; ``BoundaryReport`` (``report.py``) builds on it.
+
+Both errors are values: equal when their type and fields are, and rebuilt from their fields when pickled, so an error
+a callback holds compares equal to its copy in a checkpoint, a queue or another process.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_ckguard.report import rejection_text
+
+def _steps(first_step: int, last_step: int, num_steps: int) -> str:
+    plural = "step" if num_steps == 1 else "steps"
+    if first_step == last_step:
+        return f"{num_steps} optimizer {plural} (step {first_step})"
+    return f"{num_steps} optimizer {plural} (steps {first_step} to {last_step})"
 
 
-class NonFiniteGradientError(RuntimeError):
+def rejection_text(
+    *,
+    ranks: Sequence[int],
+    first_step: int,
+    last_step: int,
+    num_steps: int,
+    global_step: int,
+    parameters: Sequence[str],
+    skipped_steps: int,
+) -> str:
+    """The sentence every rank raises and rank zero warns with for a rejected boundary."""
+    rank_word = "rank" if len(ranks) == 1 else "ranks"
+    rank_list = ", ".join(str(r) for r in ranks)
+    if num_steps > 0:
+        cause = (
+            f"non-finite gradients were recorded on {rank_word} {rank_list} in "
+            f"{_steps(first_step, last_step, num_steps)} since the last published checkpoint"
+        )
+    elif skipped_steps > 0:
+        cause = (
+            f"{skipped_steps} optimizer step(s) with non-finite gradients were skipped by the loss scaler or "
+            f"DeepSpeed on {rank_word} {rank_list} (steps {first_step} to {last_step}) and `count_skipped_steps=True`"
+        )
+    else:
+        cause = (
+            f"the previous boundary on {rank_word} {rank_list} was rejected and no optimizer step has run since, "
+            "so the weights are still the rejected ones"
+        )
+    text = f"Refusing to publish a checkpoint at global step {global_step}: {cause}."
+    if parameters:
+        text += f" Offending parameters: {', '.join(parameters)}."
+    if skipped_steps and num_steps:
+        text += f" Another {skipped_steps} step(s) were skipped by the loss scaler or DeepSpeed and never applied."
+    return text + (
+        " Nothing was written, deleted or linked for this boundary; the checkpoints already on disk are the last "
+        "good ones."
+    )
+
+
+class _ComparedByValue:
+    """An error that is a value, like the verdict it comes from: equal to its pickled or deep-copied self, where
+    exceptions otherwise compare by identity. Subclasses name their fields in ``_key``."""
+
+    def _key(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self) or not isinstance(other, _ComparedByValue):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._key()))
+
+
+class NonFiniteGradientError(_ComparedByValue, RuntimeError):
     """Raised on every rank, with the same fields, when a checkpoint boundary sees non-finite gradients.
 
     Nothing was committed, written, deleted or linked for the rejected boundary: the files in the checkpoint
@@ -63,6 +130,10 @@ class NonFiniteGradientError(RuntimeError):
             "pending_rejection": self.pending_rejection,
         }
 
+    def _key(self) -> tuple[Any, ...]:
+        return (self.ranks, self.first_step, self.last_step, self.num_steps, self.global_step, self.parameters,
+                self.skipped_steps, self.pending_rejection)
+
     def __reduce__(self) -> tuple[Any, ...]:
         # keyword-only constructor: rebuild from fields so the error survives pickling (spawned workers, queues)
         return (_rebuild_error, (self.fields(),))
@@ -72,7 +143,7 @@ def _rebuild_error(fields: dict[str, Any]) -> NonFiniteGradientError:
     return NonFiniteGradientError(**fields)
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(_ComparedByValue, RuntimeError):
     """Raised on the ranks whose own write succeeded when another rank failed to write a checkpoint.
 
     The failing ranks raise their original error (e.g. ``OSError: No space left on device``). Either way, every rank
@@ -94,9 +165,15 @@ class CheckpointWriteError(RuntimeError):
             "Nothing was published for it on any rank."
         )
 
+    def _key(self) -> tuple[tuple[int, ...], str, str | None]:
+        return (self.ranks, self.filepath, self.cause)
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_write_error, (self.ranks, self.filepath, self.cause))
+        return (_rebuild_write_error, self._key())
 
 
 def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None) -> CheckpointWriteError:
     return CheckpointWriteError(ranks=ranks, filepath=filepath, cause=cause)
+
+
+__all__ = ["CheckpointWriteError", "NonFiniteGradientError", "rejection_text"]

@@ -1,13 +1,18 @@
-"""Publication: route ``ModelCheckpoint``'s file operations through a proposal, then publish or roll back.
+"""Publication: one boundary of ``ModelCheckpoint``'s hook, run once, as a transaction.
 
-A boundary runs ``ModelCheckpoint``'s own hook twice at most:
+The hook runs exactly once per boundary, so each of its clock reads, collectives and log calls happens once, as in
+``ModelCheckpoint``. Its file operations come back to the callback, which routes them through the
+:class:`BoundaryTransaction` that :func:`run_boundary` opened:
 
-1. :meth:`BoundaryPublication.propose` runs it as a dry run. Saves, links and removals are only recorded, so the
-   proposal says exactly what the boundary would write, and the ledger is restored afterwards.
-2. After the agreement accepts, :meth:`BoundaryPublication.publish` runs it for real. ``ModelCheckpoint`` commits the
-   ledger before it serializes (the file's own callback state lists it), links ``last``, and the removals it asks
-   for are held back until every write succeeded. If any write fails, the ledger rolls back, files this boundary
-   created are removed, the evicted files are still there, and the error propagates.
+1. The ledger is captured and rank-zero log lines are held back before the hook starts.
+2. The hook's first file operation (a save or a link) is where every rank agrees: ``ModelCheckpoint``'s own
+   decisions before it are already rank-agreed (broadcast time checks, ``file_exists`` votes, the top-K vote), so every
+   rank reaches it together. A hook that makes no file operation needs no agreement and keeps its bookkeeping.
+3. A rejection raises :class:`BoundaryRejected` there, which unwinds the hook before anything is collected or written;
+   the captured ledger is restored and the held lines are dropped. Nothing else changed.
+4. On acceptance every write happens as the hook asks (the ledger is committed first, so each file's own callback state
+   lists it); removals are held until the hook returned with every write done. A failed write rolls the ledger back,
+   removes what this boundary created, and leaves the checkpoint it would have evicted in place.
 """
 
 from __future__ import annotations
@@ -15,47 +20,65 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Literal
+from contextvars import ContextVar
+from typing import Any, Literal
 
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_utilities.core import rank_zero as _rank_zero
 
 from lightning_ckguard.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class PlannedWrite:
-    """One file operation a boundary would perform."""
-
-    action: Literal["save", "link", "remove"]
-    path: str
-    target: str | None = None
+#: What a boundary did: wrote nothing (no agreement was needed), published, or was rejected with nothing changed.
+Outcome = Literal["wrote nothing", "published", "rejected"]
 
 
-@dataclass(frozen=True)
-class Proposal:
-    """What a boundary would do: the ledger before and after it, its file operations in order, and the rank-zero
-    log records it emitted (held back: "saving model to ..." must not print for a boundary that is rejected)."""
+class BoundaryRejected(Exception):
+    """Unwinds ``ModelCheckpoint``'s hook at a rejected boundary. :func:`run_boundary` catches it; it never escapes."""
 
-    before: Ledger
-    after: Ledger
-    writes: tuple[PlannedWrite, ...]
-    held_logs: tuple[logging.LogRecord, ...] = ()
 
-    @property
-    def publishes(self) -> bool:
-        """Whether the boundary writes anything. A boundary that writes nothing needs no agreement."""
-        return any(write.action != "remove" for write in self.writes)
+class BoundaryTransaction:
+    """The file operations of one boundary: agreed on at the first, removals held until the end.
 
-    def adopt(self, checkpoint: ModelCheckpoint) -> None:
-        """Keep the dry run's outcome as if it had run for real; only for a proposal that publishes nothing."""
-        assert not self.publishes
-        self.after.apply_to(checkpoint)
-        for record in self.held_logs:
-            logging.getLogger(record.name).handle(record)
+    Args:
+        checkpoint: The callback whose hook is running.
+        before: Its ledger before the hook, what a rejection restores and a failed write rolls back to.
+        agree: Joins the agreement (every rank, at the same point) and returns whether the boundary is accepted.
+    """
+
+    def __init__(self, checkpoint: Any, before: Ledger, agree: Callable[[], bool]) -> None:
+        self.checkpoint = checkpoint
+        self.before = before
+        self._agree = agree
+        self.accepted: bool | None = None  # None until the first file operation
+        self.written: list[str] = []
+        self.created: list[str] = []
+        self.deferred_removals: list[str] = []
+
+    def admit(self) -> None:
+        """Call before each file operation: the first one agrees; a rejected boundary unwinds the hook."""
+        if self.accepted is None:
+            self.accepted = self._agree()
+        if not self.accepted:
+            raise BoundaryRejected
+
+    def note_write(self, path: str, existed: bool) -> None:
+        """A write is about to happen; a path that did not exist is removed again if the boundary fails."""
+        self.written.append(path)
+        if not existed:
+            self.created.append(path)
+
+    def defer_removal(self, path: str) -> None:
+        """Remove ``path`` once every write of the boundary has succeeded (never, if one fails)."""
+        self.deferred_removals.append(path)
+
+
+_active: ContextVar[BoundaryTransaction | None] = ContextVar("ckguard_boundary_transaction", default=None)
+
+
+def active_transaction() -> BoundaryTransaction | None:
+    """The boundary transaction whose hook is running now, if any (also reachable from static methods)."""
+    return _active.get()
 
 
 class _HoldRecords(logging.Filter):
@@ -80,70 +103,48 @@ def _held_rank_zero_logs() -> Iterator[list[logging.LogRecord]]:
         logger.removeFilter(hold)
 
 
-class BoundaryPublication:
-    """Mode switch for one callback's file operations: recorded (``planning``) or performed (``publishing``)."""
+def _emit(records: list[logging.LogRecord]) -> None:
+    for record in records:
+        logging.getLogger(record.name).handle(record)
 
-    def __init__(self) -> None:
-        self._mode: Literal["idle", "planning", "publishing"] = "idle"
-        self._planned: list[PlannedWrite] = []
-        self._written: list[str] = []
-        self._created: list[str] = []
-        self._deferred_removals: list[str] = []
 
-    @property
-    def planning(self) -> bool:
-        return self._mode == "planning"
+def run_boundary(
+    checkpoint: Any, run_hook: Callable[[], None], agree: Callable[[], bool], remove: Callable[[str], None]
+) -> Outcome:
+    """Run ``run_hook`` (a ``ModelCheckpoint`` hook of ``checkpoint``) once, as one transaction.
 
-    @property
-    def publishing(self) -> bool:
-        return self._mode == "publishing"
-
-    def plan(self, action: Literal["save", "link", "remove"], path: str, target: str | None = None) -> None:
-        self._planned.append(PlannedWrite(action, path, target))
-
-    def note_write(self, path: str, existed: bool) -> None:
-        """A write is about to happen; a path that did not exist is removed again if the boundary fails."""
-        self._written.append(path)
-        if not existed:
-            self._created.append(path)
-
-    def defer_removal(self, path: str) -> None:
-        self._deferred_removals.append(path)
-
-    def propose(self, checkpoint: ModelCheckpoint, run_hook: Callable[[], None]) -> Proposal:
-        """Dry-run ``run_hook`` (a ``ModelCheckpoint`` hook) and return what it would do; state is left as before."""
-        before = Ledger.capture(checkpoint)
-        self._mode, self._planned = "planning", []
-        try:
-            with _held_rank_zero_logs() as held:
+    ``agree`` is called at the hook's first file operation, at most once; ``remove`` deletes a checkpoint for real.
+    Returns what the boundary did; a failed write raises after rolling back.
+    """
+    transaction = BoundaryTransaction(checkpoint, Ledger.capture(checkpoint), agree)
+    token = _active.set(transaction)
+    try:
+        with _held_rank_zero_logs() as held:
+            try:
                 run_hook()
-            after = Ledger.capture(checkpoint)
-        finally:
-            self._mode = "idle"
-            before.apply_to(checkpoint)
-        return Proposal(before, after, tuple(self._planned), tuple(held))
+            except BoundaryRejected:
+                transaction.before.apply_to(checkpoint)
+                return "rejected"  # the held lines described what was not done: dropped
+            except BaseException:
+                _roll_back(transaction, remove)
+                _emit(held)
+                raise
+    finally:
+        _active.reset(token)
+    for path in transaction.deferred_removals:
+        if path not in transaction.written:  # a name the boundary wrote anew is the new checkpoint, not an eviction
+            remove(path)
+    _emit(held)
+    return "published" if transaction.accepted else "wrote nothing"
 
-    def publish(
-        self,
-        checkpoint: ModelCheckpoint,
-        run_hook: Callable[[], None],
-        rollback_to: Ledger,
-        remove: Callable[[str], None],
-    ) -> None:
-        """Run ``run_hook`` for real, then perform the removals it asked for; roll back if any write fails."""
-        self._mode, self._written, self._created, self._deferred_removals = "publishing", [], [], []
+
+def _roll_back(transaction: BoundaryTransaction, remove: Callable[[str], None]) -> None:
+    transaction.before.apply_to(transaction.checkpoint)
+    for path in reversed(transaction.created):
         try:
-            run_hook()
-        except BaseException:
-            rollback_to.apply_to(checkpoint)
-            for path in reversed(self._created):
-                try:
-                    remove(path)
-                except Exception as cleanup_error:  # the original error is the one to surface
-                    log.warning("Could not remove %s after a failed checkpoint write: %s", path, cleanup_error)
-            raise
-        finally:
-            self._mode = "idle"
-        for path in self._deferred_removals:
-            if path not in self._written:
-                remove(path)
+            remove(path)
+        except Exception as cleanup_error:  # the original error is the one to surface
+            log.warning("Could not remove %s after a failed checkpoint write: %s", path, cleanup_error)
+
+
+__all__ = ["BoundaryRejected", "BoundaryTransaction", "Outcome", "active_transaction", "run_boundary"]

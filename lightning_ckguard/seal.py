@@ -10,14 +10,13 @@ can admit the write after the same preflight agreement, refuse it on every rank,
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-import torch
-
+from lightning_ckguard._distributed import broadcast_value, gather_ints, is_deepspeed_strategy, is_multiprocess
 from lightning_ckguard.errors import CheckpointWriteError
-from lightning_ckguard.sources import is_deepspeed_strategy
 from lightning_ckguard.staging import published_path
 
 
@@ -30,13 +29,20 @@ class SaveAdmission(Protocol):
 
 
 class PublicationSeal:
-    """Wraps a Trainer's ``save_checkpoint`` and asks every registered guard before a write."""
+    """Wraps a Trainer's ``save_checkpoint`` and asks every registered guard before a write.
+
+    Installed by a guard's ``setup`` and removed by its ``teardown`` (:meth:`uninstall`), so outside a fit the Trainer's
+    own ``save_checkpoint`` (or whatever the user put there, a ``Mock`` in a unit test) is back. Guards are held weakly:
+    the seal never keeps a callback alive.
+    """
 
     def __init__(self, trainer: Any) -> None:
         self._trainer = trainer
         self._save_checkpoint: Callable[..., Any] = trainer.save_checkpoint
-        self._guards: list[SaveAdmission] = []
-        functools.update_wrapper(self, self._save_checkpoint)
+        # the Trainer's own attribute, if the user replaced the method (a Mock); absent when it is Lightning's method
+        self._replaced_method = vars(trainer).get("save_checkpoint", _ABSENT)
+        self._guards: list[weakref.ref[SaveAdmission]] = []
+        functools.update_wrapper(self, self._save_checkpoint, updated=())
 
     @classmethod
     def install(cls, trainer: Any, guard: SaveAdmission) -> PublicationSeal:
@@ -45,16 +51,42 @@ class PublicationSeal:
         if not isinstance(seal, PublicationSeal):
             seal = cls(trainer)
             trainer.save_checkpoint = seal
-        if guard not in seal._guards:
-            seal._guards.append(guard)
+        if guard not in seal.guards:
+            seal._guards.append(weakref.ref(guard))
         return seal
 
-    def __call__(self, filepath: Any, weights_only: bool | None = None, storage_options: Any | None = None) -> None:
-        admitted = [guard.admit_save(self._trainer, str(filepath)) for guard in self._guards]
-        if all(admitted):
-            self._save_and_agree_on_failure(filepath, weights_only, storage_options)
+    @staticmethod
+    def uninstall(trainer: Any, guard: SaveAdmission) -> None:
+        """Unregister ``guard``; with no guard left, give ``trainer`` back the ``save_checkpoint`` it had."""
+        seal = vars(trainer).get("save_checkpoint")
+        if not isinstance(seal, PublicationSeal):
+            return
+        seal._guards = [ref for ref in seal._guards if ref() is not None and ref() is not guard]
+        if seal._guards:
+            return
+        if seal._replaced_method is _ABSENT:
+            del trainer.save_checkpoint  # Lightning's method shows through again
+        else:
+            trainer.save_checkpoint = seal._replaced_method
 
-    def _save_and_agree_on_failure(self, filepath: Any, weights_only: bool | None, storage_options: Any) -> None:
+    @property
+    def guards(self) -> list[SaveAdmission]:
+        """The registered guards still alive, in registration order."""
+        return [guard for guard in (ref() for ref in self._guards) if guard is not None]
+
+    @property
+    def writes_through_lightning(self) -> bool:
+        """Whether writes go through Lightning's own ``Trainer.save_checkpoint`` (not a method the user replaced),
+        so that the file lands at exactly the path it is given."""
+        return self._replaced_method is _ABSENT
+
+    def __call__(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        admitted = [guard.admit_save(self._trainer, str(filepath)) for guard in self.guards]
+        if all(admitted):
+            # the arguments go on exactly as given: a save_checkpoint the user replaced sees the caller's own call
+            self._save_and_agree_on_failure(filepath, *args, **kwargs)
+
+    def _save_and_agree_on_failure(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """Write, and make a failure on any rank an error on every rank.
 
         Under DDP only rank 0 writes. If its write raised straight away, rank 0 would leave while its peers wait in
@@ -78,7 +110,7 @@ class PublicationSeal:
 
         try:
             with _replaced(strategy, "save_checkpoint", write_holding_failure):
-                self._save_checkpoint(filepath, weights_only=weights_only, storage_options=storage_options)
+                self._save_checkpoint(filepath, *args, **kwargs)
             agree_on_write(strategy, failure, published_path(str(filepath)))
         except Exception as error:
             # A strategy whose save runs collectives after the failing rank's failure point (DeepSpeed ends its save
@@ -140,16 +172,15 @@ def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> N
     The failing ranks re-raise their own error; the others raise :class:`CheckpointWriteError` naming the first
     failing rank and its error.
     """
-    if getattr(strategy, "world_size", 1) <= 1:
+    if not is_multiprocess(strategy):
         if failure is not None:
             raise failure
         return
-    flag = torch.tensor([int(failure is not None)], device=strategy.root_device)
-    failed = [rank for rank, bad in enumerate(strategy.all_gather(flag).view(-1).tolist()) if bad]
+    failed = [rank for rank, (bad,) in enumerate(gather_ints(strategy, [int(failure is not None)])) if bad]
     if not failed:
         return
     description = f"{type(failure).__name__}: {failure}" if failure is not None else None
-    description = strategy.broadcast(description, src=failed[0])
+    description = broadcast_value(strategy, description, src=failed[0])
     if failure is not None:
         raise failure
     raise CheckpointWriteError(ranks=failed, filepath=filepath, cause=description)

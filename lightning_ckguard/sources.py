@@ -2,7 +2,8 @@
 
 A source is local by contract: reading it issues no collective and no host sync. Strategy-specific sources plug in
 here: DTensor shards (FSDP2, tensor parallel) are read by :class:`ParameterGradients`, DeepSpeed's optimizer
-partitions by :mod:`lightning_ckguard.deepspeed_sources`. :func:`gradient_source_for` picks one from the strategy.
+partitions by :mod:`lightning_ckguard.deepspeed_sources`, which builds on this module (never the other way round).
+:func:`lightning_ckguard.source_selection.gradient_source_for` picks one from the strategy.
 """
 
 from __future__ import annotations
@@ -118,38 +119,4 @@ class ParameterGradients:
         return False
 
 
-def is_deepspeed_strategy(strategy: Any) -> bool:
-    """Whether ``strategy`` is Lightning's or Fabric's ``DeepSpeedStrategy`` (or a subclass)."""
-    # lightning's strategy modules import without DeepSpeed; DeepSpeed itself is only needed to run one
-    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    return isinstance(strategy, (DeepSpeedStrategy, FabricDeepSpeedStrategy))
-
-
-def gradient_source_for(strategy: Any, module: nn.Module) -> GradientSource:
-    """Pick the gradient source for a Lightning (or Fabric) strategy.
-
-    DeepSpeed (ZeRO 0-3) reads the optimizer's local gradient partitions from the engine: ``module`` itself when it
-    is a ``DeepSpeedEngine`` (Fabric), else ``strategy.model`` (Lightning, after setup). Every other strategy
-    (single device, DDP, FSDP, ``ModelParallelStrategy``) reads ``param.grad``, shard-locally for DTensors.
-
-    Raises:
-        ValueError: For a DeepSpeed strategy whose engine does not exist yet, rather than guarding nothing silently.
-    """
-    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients, is_deepspeed_engine
-
-    if is_deepspeed_engine(module):
-        return DeepSpeedGradients(module)
-    if is_deepspeed_strategy(strategy):
-        engine = getattr(strategy, "model", None)
-        if not is_deepspeed_engine(engine):
-            raise ValueError(
-                f"`{type(strategy).__name__}` has no DeepSpeed engine yet: create the gradient source after the "
-                "strategy set up the model (in Lightning, from `on_fit_start` on), or pass the engine as `module`."
-            )
-        return DeepSpeedGradients(engine, module)
-    return ParameterGradients(module)
-
-
-__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex", "gradient_source_for", "is_deepspeed_strategy"]
+__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from lightning_ckguard.sources import is_deepspeed_strategy
+from lightning_ckguard._distributed import is_deepspeed_strategy
 
 STAGING_SUFFIX = ".ckguard-staging"
 RETIRED_SUFFIX = ".ckguard-retired"

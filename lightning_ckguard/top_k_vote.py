@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_ckguard._distributed import gather_ints
+
 
 @dataclass(frozen=True)
 class TopKVote:
@@ -34,24 +36,32 @@ class TopKVote:
 def local_top_k_decision(
     current: Tensor | None, best_k_models: dict[str, Tensor], kth_best_model_path: str, save_top_k: int, mode: str
 ) -> bool:
-    """``ModelCheckpoint.check_monitor_top_k`` without its collective: whether ``current`` makes this rank's top K."""
-    if current is None:
+    """``ModelCheckpoint.check_monitor_top_k`` without its collective: whether ``current`` makes this rank's top K.
+
+    With ``save_top_k == 0`` nothing ever enters the top K (``ModelCheckpoint`` never asks then; this answers
+    anyway). A full top K is compared against its K-th best value; if ``kth_best_model_path`` is not one of
+    ``best_k_models`` (e.g. state restored by hand), the K-th best is found the way ``ModelCheckpoint`` finds it
+    after each save, instead of indexing a missing path.
+    """
+    if current is None or save_top_k == 0:
         return False
     if save_top_k == -1 or len(best_k_models) < save_top_k:
         return True
     monitor_op = {"min": torch.lt, "max": torch.gt}[mode]
-    return bool(monitor_op(current, best_k_models[kth_best_model_path]))
+    kth_best = best_k_models.get(kth_best_model_path)
+    if kth_best is None:
+        # the worst of the kept values, as in ModelCheckpoint._update_best_and_save; the top K is not empty here
+        worst = max if mode == "min" else min
+        kth_best = best_k_models[worst(best_k_models, key=best_k_models.__getitem__)]
+    return bool(monitor_op(current, kth_best))
 
 
 def agree_on_top_k(strategy: Any, present: bool, improves: bool) -> TopKVote:
     """Every rank's ``(present, improves)`` in one ``all_gather`` through ``strategy`` (its process group and
     timeout); the same :class:`TopKVote` on every rank. Without peers, no collective."""
-    if getattr(strategy, "world_size", 1) <= 1:
-        return TopKVote(improves=present and improves, missing_ranks=() if present else (strategy.global_rank,))
-    flags = torch.tensor([int(present), int(improves)], dtype=torch.int32, device=strategy.root_device)
-    gathered = strategy.all_gather(flags).view(-1, 2).tolist()
-    missing = tuple(rank for rank, (has_key, _) in enumerate(gathered) if not has_key)
-    return TopKVote(improves=not missing and all(votes for _, votes in gathered), missing_ranks=missing)
+    votes = gather_ints(strategy, [int(present), int(improves)])
+    missing = tuple(rank for rank, (has_key, _) in enumerate(votes) if not has_key)
+    return TopKVote(improves=not missing and all(vote for _, vote in votes), missing_ranks=missing)
 
 
 __all__ = ["TopKVote", "agree_on_top_k", "local_top_k_decision"]

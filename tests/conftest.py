@@ -26,11 +26,14 @@ def free_port() -> int:
 
 
 def run_ranks(script: str, args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    # ``script`` is a path relative to tests/ (e.g. ``workers/ddp_scenarios.py``) or absolute
     """Run a worker script whose rank 0 launches the other ranks (Lightning's subprocess launcher).
 
-    The whole process group is killed on timeout, so a deadlock fails the test instead of hanging CI.
+    ``script`` is a path relative to ``tests/`` (e.g. ``workers/ddp_scenarios.py``) or absolute. The ranks run in a
+    session of their own, which is killed whole on the wall-clock ``timeout``, so a deadlock fails the test instead
+    of hanging CI; it is killed too when the wait is interrupted (pytest-timeout, Ctrl-C), so no rank outlives its
+    test and keeps the CPUs busy under the next one.
     """
+    _require_multiprocess_marker(script)
     full_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"):
         full_env.pop(key, None)
@@ -46,10 +49,22 @@ def run_ranks(script: str, args: list[str], timeout: float, env: dict | None = N
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc)
         out, _ = proc.communicate()
         pytest.fail(f"{script} did not finish within {timeout} s (deadlock?). Output tail:\n{out[-4000:]}")
+    except BaseException:
+        _kill_session(proc)
+        proc.communicate()
+        raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of the session ``proc`` leads (rank 0, the ranks it launched, their children)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # every one of them has exited already
+        pass
 
 
 def read_rank_results(out: Any, proc: subprocess.CompletedProcess, world_size: int = 2,
@@ -63,3 +78,30 @@ def read_rank_results(out: Any, proc: subprocess.CompletedProcess, world_size: i
             results.append(json.load(f))
     assert proc.returncode == 0, proc.stdout[-4000:]
     return results
+
+
+# The lanes: `multiprocess` marks every test that starts more than one process (each module or test says so
+# itself; `run_ranks` refuses to launch for an unmarked test, so none can slip into the fast lane), `deepspeed` every
+# test that needs DeepSpeed (parametrized ones from the module's `DEEPSPEED_PARAMETERS`).
+_running_test: pytest.Item | None = None
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures: a module fixture's launch belongs to this test
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _running_test
+    _running_test = item
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        deepspeed_parameters = getattr(getattr(item, "module", None), "DEEPSPEED_PARAMETERS", ())
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and set(map(str, callspec.params.values())) & set(deepspeed_parameters):
+            item.add_marker(pytest.mark.deepspeed)
+
+
+def _require_multiprocess_marker(script: str) -> None:
+    if _running_test is not None and _running_test.get_closest_marker("multiprocess") is None:
+        pytest.fail(f"{_running_test.nodeid} launches {script} but is not marked `multiprocess`: mark it "
+                    "(`pytestmark = pytest.mark.multiprocess`), so that the fast lane starts no processes")

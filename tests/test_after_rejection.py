@@ -88,7 +88,9 @@ def test_stop_refuses_other_checkpoint_callbacks_and_returns_normally(tmp_path):
 
     guard = FiniteGradCheckpoint(dirpath=tmp_path / "guarded", every_n_train_steps=2, save_top_k=-1,
                                  on_non_finite="stop")
-    other = ModelCheckpoint(dirpath=tmp_path / "other", every_n_train_steps=2, save_top_k=-1, save_last=True)
+    # another state key than the guard's (`mode` is part of it; without a monitor it changes nothing else)
+    other = ModelCheckpoint(dirpath=tmp_path / "other", every_n_train_steps=2, save_top_k=-1, save_last=True,
+                            mode="max")
     seed_everything(0)
     trainer = Trainer(callbacks=[guard, other], **QUIET, **EPOCHS)
     with pytest.warns(UserWarning, match="refused to write .*other"):

@@ -36,7 +36,7 @@ def test_state_from_a_newer_format_is_refused_on_resume(tmp_path):
     _fit(FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=True))
     last = tmp_path / "last.ckpt"
     checkpoint = torch.load(last, weights_only=False)
-    (key,) = [k for k in checkpoint["callbacks"] if k.startswith("FiniteGradCheckpoint")]
+    (key,) = [k for k in checkpoint["callbacks"] if k.startswith("ModelCheckpoint")]
     checkpoint["callbacks"][key]["ckguard_format_version"] = 99
     torch.save(checkpoint, last)
     before = tree_digest(str(tmp_path))

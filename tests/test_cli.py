@@ -159,7 +159,11 @@ def test_pytorch_lightning_trainer_does_not_recognise_the_callback(tmp_path):
     import lightning.pytorch
     import pytorch_lightning
 
-    guard = FiniteGradCheckpoint(dirpath=tmp_path / "guarded")
+    # with default arguments the guard's state key is that of the plain ModelCheckpoint the Trainer adds
+    with pytest.raises(RuntimeError, match="Found more than one stateful callback"):
+        pytorch_lightning.Trainer(callbacks=[FiniteGradCheckpoint(dirpath=tmp_path / "guarded")],
+                                  default_root_dir=tmp_path, **QUIET)
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "guarded", every_n_train_steps=1)
     assert isinstance(guard, lightning.pytorch.callbacks.ModelCheckpoint)
     assert not isinstance(guard, pytorch_lightning.callbacks.ModelCheckpoint)
     trainer = pytorch_lightning.Trainer(callbacks=[guard], default_root_dir=tmp_path, **QUIET)

@@ -17,6 +17,9 @@ import torch
 
 from conftest import deepspeed_missing, run_ranks
 
+pytestmark = pytest.mark.multiprocess
+DEEPSPEED_PARAMETERS = {"deepspeed"}  # their items are marked `deepspeed` (conftest)
+
 PHASES = ("rank1-before", "rank0-during", "all-during", "all-after", "rank0-between-renames")
 # the ranks that survive each phase, and must have failed instead of hanging
 SURVIVORS = {"rank1-before": [0], "rank0-during": [1], "all-during": [], "all-after": [], "rank0-between-renames": [1]}
@@ -74,6 +77,7 @@ def _crash(cell, strategy: str, phase: str, plain: bool = False):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "fsdp2"])
+@pytest.mark.timeout(1680)  # five 240 s launches and a 420 s resume, each with its own wall-clock kill
 def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tmp_path, strategy):
     if strategy == "deepspeed" and (reason := deepspeed_missing()):
         pytest.skip(reason)

@@ -28,6 +28,10 @@ EXPECTED_REJECTION = {
 }
 
 
+# the module fixture launches with a 600 s wall-clock kill: let that, not pytest-timeout, stop a hang
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ddp")

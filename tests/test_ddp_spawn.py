@@ -13,6 +13,8 @@ from conftest import free_port
 from helpers import QUIET, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.timeout(180)
 def test_ddp_spawn_rejects_rank1_only_nan(tmp_path, monkeypatch):

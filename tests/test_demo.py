@@ -2,13 +2,17 @@
 
 import os
 
+import pytest
+
 from conftest import TESTS, run_ranks
+
+pytestmark = pytest.mark.multiprocess
 
 DEMO = os.path.join(os.path.dirname(TESTS), "examples", "ddp_nan_demo.py")
 
 
 def test_demo_shows_rejection_intact_checkpoints_and_resume(tmp_path):
-    proc = run_ranks(DEMO, [], timeout=300, env={"CKGUARD_DEMO_DIR": str(tmp_path)})
+    proc = run_ranks(DEMO, [], timeout=280, env={"CKGUARD_DEMO_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("[", "    "))]
     text = "\n".join(lines)

@@ -9,6 +9,9 @@ import pytest
 
 from conftest import read_rank_results, run_ranks
 
+# the module fixture launches with a 300 s wall-clock kill: let that, not pytest-timeout, stop a hang
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(330)]
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):

@@ -40,6 +40,7 @@ def fabric_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, list[dict
     return out, read_ranks(out, "fabric", proc), proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_fabric_every_rank_rejects_with_the_same_verdict(fabric_run):
     _, ranks, _ = fabric_run
     assert [r["world_size"] for r in ranks] == [2, 2]
@@ -63,6 +64,7 @@ def test_fabric_every_rank_rejects_with_the_same_verdict(fabric_run):
     assert events[1]["rolled_back_to"] == "step=4.ckpt"
 
 
+@pytest.mark.multiprocess
 def test_fabric_rejected_save_writes_nothing_and_finite_saves_are_on_disk(fabric_run):
     out, _, _ = fabric_run
     checkpoints = out / "checkpoints"
@@ -72,6 +74,7 @@ def test_fabric_rejected_save_writes_nothing_and_finite_saves_are_on_disk(fabric
     assert torch.load(checkpoints / "step=12.ckpt", weights_only=True)["step"] == 12
 
 
+@pytest.mark.multiprocess
 def test_fabric_example_prints_once_from_rank_zero(fabric_run):
     _, _, stdout = fabric_run
     lines = stdout.splitlines()
@@ -80,6 +83,7 @@ def test_fabric_example_prints_once_from_rank_zero(fabric_run):
     assert "NonFiniteGradientError(ranks=(1,), steps 7-7, parameters=['2.weight'])" in stdout
 
 
+@pytest.mark.multiprocess
 def test_fabric_example_script_with_its_command_line(tmp_path):
     out = tmp_path / "ckpts"
     proc = run_ranks(EXAMPLE, ["--steps", "8", "--fault-step", "3", "--every", "2", "--out", str(out)],
@@ -98,6 +102,7 @@ def test_fabric_example_script_with_its_command_line(tmp_path):
     assert sorted(os.listdir(out)) == ["step=2.ckpt", "step=6.ckpt", "step=8.ckpt"]
 
 
+@pytest.mark.multiprocess
 def test_raw_torch_distributed_process_group(tmp_path):
     proc = run_ranks("workers/fabric_worker.py", ["process-group", str(tmp_path)], timeout=TIMEOUT)
     ranks = read_ranks(tmp_path, "pg", proc)

@@ -21,8 +21,10 @@ from sharded_helpers import FAULT_PARAMETERS
 
 from conftest import deepspeed_missing, run_ranks
 
+pytestmark = pytest.mark.multiprocess
+
 STRATEGIES = ["ddp", "zero1", "ds2", "ds3", "fsdp2"]
-DEEPSPEED = {"ds2", "ds3"}
+DEEPSPEED_PARAMETERS = {"ds2", "ds3"}  # their items are marked `deepspeed` (conftest)
 FAULTY = ["none", "0", "1", "all"]
 BOUNDARIES = ["periodic", "val_topk", "last", "final"]
 SENTINEL = "earlier-run.txt"  # placed in the `final` directory before the fit, by rank 0
@@ -81,7 +83,7 @@ def expected_error(strategy: str, faulty: str) -> dict[str, Any]:
 
 def _run(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]] | str:
     """Both ranks' results for the 16 cells of ``strategy``, or why they are unavailable."""
-    if strategy in DEEPSPEED and (reason := deepspeed_missing()):
+    if strategy in DEEPSPEED_PARAMETERS and (reason := deepspeed_missing()):
         return reason
     out = tmp_path_factory.mktemp(f"matrix-{strategy}")
     proc = run_ranks("workers/fault_matrix.py", [strategy, str(out)], timeout=WORKER_TIMEOUT)
@@ -163,6 +165,7 @@ def test_cell(tmp_path_factory, strategy, faulty, boundary):
     check_cell(strategy, faulty, boundary, ranks)
 
 
+@pytest.mark.deepspeed
 @pytest.mark.timeout(len(STRATEGIES) * (WORKER_TIMEOUT + 20))  # when run alone, it runs every strategy
 def test_matrix_table(tmp_path_factory, tmp_path):
     failures = []

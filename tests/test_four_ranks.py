@@ -9,6 +9,10 @@ from conftest import read_rank_results, run_ranks
 SCENARIOS = ["ddp-periodic-reject", "zero1-val_topk-reject", "ddp-periodic-finite"]
 
 
+# the module fixture launches with a 600 s wall-clock kill: let that, not pytest-timeout, stop a hang
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("four")

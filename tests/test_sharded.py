@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 from sharded_helpers import FAULT_PARAMETERS
 
 from conftest import TESTS, deepspeed_missing, read_rank_results, run_ranks
 from helpers import relative_paths
 
+pytestmark = pytest.mark.multiprocess
+
 DEEPSPEED_KINDS = ["zero1", "zero2", "zero3"]
+DEEPSPEED_PARAMETERS = DEEPSPEED_KINDS  # their items are marked `deepspeed` (conftest)
 KINDS = [*DEEPSPEED_KINDS, "fsdp2"]
 BOUNDARIES = ["periodic", "val_topk"]
 
@@ -57,7 +58,7 @@ def results_for(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dic
         pytest.skip(reason)
     if kind not in _cache:
         out = tmp_path_factory.mktemp(kind)
-        proc = run_ranks("workers/sharded_scenarios.py", [kind, str(out)], timeout=300)
+        proc = run_ranks("workers/sharded_scenarios.py", [kind, str(out)], timeout=280)
         (out / "output.txt").write_text(proc.stdout)  # both ranks' output, for a scenario that failed unexpectedly
         rank0 = out / "rank0.json"
         assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
@@ -166,6 +167,7 @@ def test_step_skipped_by_deepspeed_is_reported_and_does_not_reject(tmp_path_fact
     assert {n for n in tree if "/" not in n} == {"step=6.ckpt", "step=8.ckpt", "last.ckpt"}
 
 
+@pytest.mark.deepspeed
 def test_count_skipped_steps_rejects_a_step_deepspeed_skipped(tmp_path_factory):
     ranks = results_for("zero2", tmp_path_factory)
     errors = [results["overflow-counted"]["error"] for results in ranks]
@@ -179,6 +181,7 @@ def test_count_skipped_steps_rejects_a_step_deepspeed_skipped(tmp_path_factory):
     assert rank0["tree"] == rank0["snapshots"]["5"]["tree"]
 
 
+@pytest.mark.deepspeed
 def test_recording_under_zero2_issues_no_collective_between_boundaries(tmp_path_factory):
     # 4 optimizer steps of 2 micro-batches each; c10d ops and host reads counted per batch, boundaries left out
     for rank, results in enumerate(results_for("zero2", tmp_path_factory)):
@@ -192,10 +195,11 @@ def test_recording_under_zero2_issues_no_collective_between_boundaries(tmp_path_
     assert sorted(rank0["collectives-guarded"]["tree"]) == sorted(rank0["collectives-plain"]["tree"])
 
 
+@pytest.mark.deepspeed
 @pytest.mark.skipif(deepspeed_missing() is not None, reason="DeepSpeed is not installed")
 def test_deepspeed_demo_shows_rejection_intact_directories_and_resume(tmp_path):
     demo = os.path.join(os.path.dirname(TESTS), "examples", "deepspeed_nan_demo.py")
-    proc = run_ranks(demo, [], timeout=300, env={"CKGUARD_DEMO_DIR": str(tmp_path)})
+    proc = run_ranks(demo, [], timeout=280, env={"CKGUARD_DEMO_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("[", "    "))]
     text = "\n".join(lines)
@@ -207,74 +211,3 @@ def test_deepspeed_demo_shows_rejection_intact_directories_and_resume(tmp_path):
 
 
 # ---------------------------------------------------------------------- the source itself, in one process
-
-
-class _FakeEngine:
-    """The attributes of a DeepSpeedEngine that the source reads."""
-
-    def __init__(self, optimizer: Any, boundary: bool = True, applied: bool = True) -> None:
-        self.optimizer = optimizer
-        self.boundary = boundary
-        self.applied = applied
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return self.boundary
-
-    def was_step_applied(self) -> bool:
-        return self.applied
-
-    def zero_optimization_stage(self) -> int:
-        return 2
-
-
-def test_deepspeed_source_reads_zero2_partition_slices_and_defers_the_skip_outcome():
-    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
-
-    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
-    params = list(module.parameters())
-    pad = torch.zeros(1)
-    pad._zero_padding = True  # type: ignore[attr-defined]
-    slices = [torch.ones(2), pad, torch.full((2,), float("nan")), torch.ones(1), torch.zeros(3)]  # last: unmarked pad
-    optimizer = SimpleNamespace(averaged_gradients={0: slices}, params_in_partition=[params[1:]])
-    engine = _FakeEngine(optimizer)
-    source = DeepSpeedGradients(engine, module)
-    assert source.defers_skip_outcome
-    indices, grads = source.local_gradients()
-    assert [source.parameter_names[i] for i in indices] == ["0.bias", "1.weight", "1.bias"]
-    assert [g is s for g, s in zip(grads, [slices[0], slices[2], slices[3]], strict=True)] == [True] * 3
-    engine.boundary = False
-    assert source.local_gradients() is None, "a micro-batch inside accumulation is not an optimizer step"
-    assert source.skipped_last_step() is False
-    engine.applied = False
-    assert source.skipped_last_step() is True
-
-
-def test_gradient_source_for_picks_the_deepspeed_source_from_the_engine():
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
-    from lightning_ckguard.sources import ParameterGradients, gradient_source_for
-
-    module = torch.nn.Linear(2, 2)
-    plain = gradient_source_for(DDPStrategy(), module)
-    assert isinstance(plain, ParameterGradients)
-    assert plain.defers_skip_outcome is False and plain.skipped_last_step() is False
-    engine = _FakeEngine(SimpleNamespace())
-    engine.module = module  # type: ignore[attr-defined]
-    assert isinstance(gradient_source_for(DDPStrategy(), engine), DeepSpeedGradients)  # Fabric passes the engine
-
-
-@pytest.mark.skipif(deepspeed_missing() is not None, reason="DeepSpeed is not installed")
-def test_gradient_source_for_a_deepspeed_strategy_needs_its_engine():
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
-    from lightning_ckguard.sources import gradient_source_for
-
-    module = torch.nn.Linear(2, 2)
-    strategy = DeepSpeedStrategy(stage=2)
-    with pytest.raises(ValueError, match="no DeepSpeed engine yet"):
-        gradient_source_for(strategy, module)
-    strategy.model = _FakeEngine(SimpleNamespace())  # type: ignore[assignment]
-    source = gradient_source_for(strategy, module)
-    assert isinstance(source, DeepSpeedGradients) and source.parameter_names == ["weight", "bias"]

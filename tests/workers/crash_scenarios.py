@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
+from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, ledger_state  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
@@ -142,7 +142,7 @@ class KillSwitch:
 
 
 def crashing(base: type, switch: KillSwitch) -> Any:
-    """An instance of strategy class ``base`` that reports the start and end of each save to ``switch``."""
+    """A subclass of strategy class ``base`` that reports the start and end of each save to ``switch``."""
 
     class Crashing(base):  # type: ignore[misc, valid-type]
         def save_checkpoint(self, checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
@@ -157,17 +157,14 @@ def crashing(base: type, switch: KillSwitch) -> Any:
     return Crashing
 
 
-def make_strategy(strategy: str, switch: KillSwitch) -> Any:
-    if strategy == "ddp":
-        return crashing(DDPStrategy, switch)(timeout=TIMEOUT)
-    if strategy == "fsdp2":
-        from lightning.pytorch.strategies import ModelParallelStrategy
+# the worker's STRATEGY argument -> the kind of strategy it trains under
+STRATEGY_KINDS = {"ddp": "ddp", "deepspeed": "ds2", "fsdp2": "fsdp2"}
 
-        return crashing(ModelParallelStrategy, switch)(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT)
-    import deepspeed_shim  # the first import of DeepSpeed: CPU accelerator, no JIT build
 
-    config = deepspeed_shim.deepspeed_config(2, "bf16-mixed", check_grad_overflow=False)
-    return crashing(deepspeed_shim.CPUDeepSpeedStrategy, switch)(config=config, timeout=TIMEOUT)
+def make_crashing_strategy(strategy: str, switch: KillSwitch) -> Any:
+    # DeepSpeed: bf16 with DeepSpeed's overflow check off, as in the other sharded workers
+    return make_strategy(STRATEGY_KINDS[strategy], timeout=TIMEOUT, precision="bf16-mixed", check_grad_overflow=False,
+                         wrap=lambda base: crashing(base, switch))
 
 
 class StartStep(Callback):
@@ -193,7 +190,7 @@ def fit(strategy: str, dirpath: str, phase: str, plain: bool) -> dict[str, Any]:
     callback = ModelCheckpoint(**kwargs) if plain else FiniteGradCheckpoint(**kwargs)
     start = StartStep()
     trainer = Trainer(
-        strategy=make_strategy(strategy, switch),
+        strategy=make_crashing_strategy(strategy, switch),
         devices=2,
         precision="bf16-mixed" if strategy == "deepspeed" else "32-true",
         callbacks=[callback, start],

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, FailingIO, FaultyModel, ledger_state, run_scenarios, tree_digest  # noqa: E402
 from lightning_ckguard import CheckpointWriteError, FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
@@ -29,6 +29,7 @@ from lightning_ckguard import CheckpointWriteError, FiniteGradCheckpoint, NonFin
 warnings.filterwarnings("ignore")
 DEVICES = int(os.environ.get("CKGUARD_TEST_DEVICES", "2"))  # tests/test_four_ranks.py runs a subset on 4
 torch.set_num_threads(1)
+TIMEOUT = timedelta(seconds=60)
 
 # name -> (callback kwargs, trainer kwargs, model kwargs); the fault is added per scenario
 PERIODIC = (dict(every_n_train_steps=2, save_top_k=-1), dict(max_steps=8, limit_val_batches=0), {})
@@ -77,8 +78,8 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
     # under DDP only rank 0 writes, so a full disk there is the failure its peers cannot see
     plugins = [FailingIO(fail_on=fail_write)] if fail_write else None
     trainer = Trainer(
-        strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=DEVICES, callbacks=callbacks, plugins=plugins,
-        **QUIET, **trainer_kwargs
+        strategy=make_strategy("zero1" if zero1 else "ddp", timeout=TIMEOUT), devices=DEVICES, callbacks=callbacks,
+        plugins=plugins, **QUIET, **trainer_kwargs
     )
     result: dict[str, Any] = {"error": None}
     try:

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, ledger_state, run_scenarios, tree_digest  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
@@ -78,7 +78,7 @@ class Straggler(Callback):
 def fit(out: str, name: str, callback: FiniteGradCheckpoint, extra: list[Callback], **trainer_kwargs: Any
         ) -> dict[str, Any]:
     seed_everything(7)
-    trainer = Trainer(strategy=DDPStrategy(timeout=TIMEOUT), devices=2, callbacks=[*extra, callback], **QUIET,
+    trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[*extra, callback], **QUIET,
                       **trainer_kwargs)
     result: dict[str, Any] = {"error": None, "warnings": []}
     start = time.monotonic()
@@ -112,7 +112,10 @@ def missing_in_training(out: str) -> dict[str, Any]:
 
 def straggler(out: str) -> dict[str, Any]:
     stall = Straggler(out)
-    callback = FiniteGradCheckpoint(dirpath=os.path.join(out, "straggler"), every_n_train_steps=STALL_STEP)
+    # without the version counter ModelCheckpoint asks no `file_exists` vote first: the boundary's first collective
+    # is the guard's agreement, at its first file operation
+    callback = FiniteGradCheckpoint(dirpath=os.path.join(out, "straggler"), every_n_train_steps=STALL_STEP,
+                                    enable_version_counter=False)
     result = fit(out, "straggler", callback, [stall], max_steps=4, limit_val_batches=0)
     # how long this rank waited in the boundary before it failed (rank 0) or stopped stalling (rank 1)
     result["waited"] = None if stall.boundary_entered is None else time.monotonic() - stall.boundary_entered

@@ -30,6 +30,7 @@ from lightning_ckguard import GradientGuard  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
+TIMEOUT = timedelta(seconds=60)
 
 
 def write(out: str, name: str, result: Any) -> None:
@@ -56,14 +57,15 @@ def process_group_rank(rank: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2, timeout=TIMEOUT)
     try:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         model = DistributedDataParallel(net)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         guard = GradientGuard(net)
-        group = dist.new_group([0, 1])  # any ProcessGroup, not only the default one
+        # any ProcessGroup, not only the default one; a new group does not inherit the default group's timeout
+        group = dist.new_group([0, 1], timeout=TIMEOUT)
         checkpoints = os.path.join(out, "checkpoints")
         events: list[dict[str, Any]] = []
 

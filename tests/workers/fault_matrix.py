@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
+from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, FaultyModel, ledger_state, run_scenarios, tree_digest  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
@@ -61,25 +61,10 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     # so the fault in the last step meets its first writing boundary at train end
     "final": (dict(save_top_k=0, save_last=True), STEPS, {}),
 }
-DEEPSPEED_STAGES = {"ds2": 2, "ds3": 3}
 
 
 def fault_ranks(faulty: str) -> tuple[int, ...]:
     return {"none": (), "0": (0,), "1": (1,), "all": (0, 1)}[faulty]
-
-
-def make_strategy(strategy: str) -> Any:
-    if strategy in ("ddp", "zero1"):
-        return DDPStrategy(timeout=TIMEOUT)
-    if strategy == "fsdp2":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT)
-    import deepspeed_shim  # the first import of DeepSpeed: CPU accelerator, no JIT build
-
-    # bf16 with DeepSpeed's overflow check off, so ZeRO-2 applies the NaN step and the guard alone rejects it
-    config = deepspeed_shim.deepspeed_config(DEEPSPEED_STAGES[strategy], "bf16-mixed", check_grad_overflow=False)
-    return deepspeed_shim.CPUDeepSpeedStrategy(config=config, timeout=TIMEOUT)
 
 
 def run_cell(root: str, strategy: str, faulty: str, boundary: str) -> dict[str, Any]:
@@ -105,8 +90,9 @@ def run_cell(root: str, strategy: str, faulty: str, boundary: str) -> dict[str, 
         model = ShardedFaultModel(fault_steps=faults, fault_ranks=fault_ranks(faulty), fsdp2=strategy == "fsdp2",
                                   **model_kwargs)
         precision = "32-true" if strategy == "fsdp2" else "bf16-mixed"
+    # DeepSpeed: bf16 with its overflow check off, so ZeRO-2 applies the NaN step and the guard alone rejects it
     trainer = Trainer(
-        strategy=make_strategy(strategy),
+        strategy=make_strategy(strategy, timeout=TIMEOUT, precision=precision, check_grad_overflow=False),
         devices=2,
         precision=precision,  # type: ignore[arg-type]
         callbacks=[callback],

@@ -31,6 +31,7 @@ from sharded_helpers import (  # noqa: E402
     verdict_fields,
     weights_finite,
 )
+from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, ledger_state, run_scenarios, tree_digest  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
@@ -62,18 +63,8 @@ COUNTING = (
 )
 CONFIGS = {"periodic": PERIODIC, "val_topk": VAL_TOPK, "counting": COUNTING}
 
-STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
-
-
-def make_strategy(kind: str, precision: str, check_grad_overflow: bool | None, **config_kwargs: Any) -> Any:
-    if kind == "fsdp2":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT)
-    import deepspeed_shim  # the first import of DeepSpeed: CPU accelerator, no JIT build
-
-    config = deepspeed_shim.deepspeed_config(STAGES[kind], precision, check_grad_overflow, **config_kwargs)
-    return deepspeed_shim.CPUDeepSpeedStrategy(config=config, timeout=TIMEOUT)
+# the worker's KIND -> the kind of strategy it trains under (here ``zero1`` is DeepSpeed's ZeRO-1, not DDP's)
+STRATEGY_KINDS = {"zero1": "ds1", "zero2": "ds2", "zero3": "ds3", "fsdp2": "fsdp2"}
 
 
 def run(
@@ -109,7 +100,8 @@ def run(
         counter.attach(callback)
         callbacks.insert(0, counter)
     model = ShardedFaultModel(fault_steps=fault_steps, fsdp2=kind == "fsdp2", **model_kwargs)
-    strategy = make_strategy(kind, precision, check_grad_overflow, **(config_kwargs or {}))
+    strategy = make_strategy(STRATEGY_KINDS[kind], timeout=TIMEOUT, precision=precision,
+                             check_grad_overflow=check_grad_overflow, **(config_kwargs or {}))
     count_collections(strategy, model.collections)
     trainer = Trainer(
         strategy=strategy,

@@ -1,0 +1,67 @@
+"""Both errors are values: equal to their pickled and deep-copied selves, and told apart by their fields."""
+
+import copy
+import pickle
+
+import pytest
+
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
+
+
+def _rejection(**overrides):
+    fields = dict(ranks=[1, 0], first_step=3, last_step=5, num_steps=2, global_step=6, parameters=["layer.weight"],
+                  skipped_steps=1, pending_rejection=False)
+    return NonFiniteGradientError(**{**fields, **overrides})
+
+
+def _write_failure(**overrides):
+    fields = dict(ranks=[1], filepath="/ckpts/epoch=0.ckpt", cause="OSError: No space left on device")
+    return CheckpointWriteError(**{**fields, **overrides})
+
+
+ERRORS = [
+    pytest.param(_rejection, id="NonFiniteGradientError"),
+    pytest.param(_write_failure, id="CheckpointWriteError"),
+]
+
+
+@pytest.mark.parametrize("make", ERRORS)
+@pytest.mark.parametrize("duplicate", [lambda e: pickle.loads(pickle.dumps(e)), copy.deepcopy, copy.copy],
+                         ids=["pickle", "deepcopy", "copy"])
+def test_a_copy_equals_the_original(make, duplicate):
+    error = make()
+    twin = duplicate(error)
+    assert twin is not error
+    assert twin == error and hash(twin) == hash(error)
+    assert str(twin) == str(error)  # the message is rebuilt from the same fields
+
+
+@pytest.mark.parametrize(("make", "changes"), [
+    (_rejection, dict(ranks=[1])),
+    (_rejection, dict(first_step=4)),
+    (_rejection, dict(last_step=4)),
+    (_rejection, dict(num_steps=1)),
+    (_rejection, dict(global_step=8)),
+    (_rejection, dict(parameters=[])),
+    (_rejection, dict(skipped_steps=0)),
+    (_rejection, dict(pending_rejection=True)),
+    (_write_failure, dict(ranks=[0, 1])),
+    (_write_failure, dict(filepath="/ckpts/other.ckpt")),
+    (_write_failure, dict(cause=None)),
+])
+def test_errors_with_different_fields_differ(make, changes):
+    assert make(**changes) != make()
+
+
+def test_errors_of_different_types_differ():
+    class Subclass(CheckpointWriteError):
+        pass
+
+    error = _write_failure()
+    twin = Subclass(ranks=error.ranks, filepath=error.filepath, cause=error.cause)
+    assert twin != error and error != twin
+    assert _rejection() != RuntimeError(str(_rejection()))
+
+
+def test_equal_errors_are_interchangeable_as_keys():
+    assert len({_rejection(), _rejection(ranks=[0, 1]), copy.deepcopy(_rejection())}) == 1

@@ -1,0 +1,85 @@
+"""Gradient sources without a process group: DeepSpeed's partitions read from a stand-in engine, and which source a
+strategy gets."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import deepspeed_missing
+
+
+class _FakeEngine:
+    """The attributes of a DeepSpeedEngine that the source reads."""
+
+    def __init__(self, optimizer: Any, boundary: bool = True, applied: bool = True) -> None:
+        self.optimizer = optimizer
+        self.boundary = boundary
+        self.applied = applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.boundary
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+    def zero_optimization_stage(self) -> int:
+        return 2
+
+
+def test_deepspeed_source_reads_zero2_partition_slices_and_defers_the_skip_outcome():
+    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    params = list(module.parameters())
+    pad = torch.zeros(1)
+    pad._zero_padding = True  # type: ignore[attr-defined]
+    slices = [torch.ones(2), pad, torch.full((2,), float("nan")), torch.ones(1), torch.zeros(3)]  # last: unmarked pad
+    optimizer = SimpleNamespace(averaged_gradients={0: slices}, params_in_partition=[params[1:]])
+    engine = _FakeEngine(optimizer)
+    source = DeepSpeedGradients(engine, module)
+    assert source.defers_skip_outcome
+    indices, grads = source.local_gradients()
+    assert [source.parameter_names[i] for i in indices] == ["0.bias", "1.weight", "1.bias"]
+    assert [g is s for g, s in zip(grads, [slices[0], slices[2], slices[3]], strict=True)] == [True] * 3
+    engine.boundary = False
+    assert source.local_gradients() is None, "a micro-batch inside accumulation is not an optimizer step"
+    assert source.skipped_last_step() is False
+    engine.applied = False
+    assert source.skipped_last_step() is True
+
+
+def test_gradient_source_for_picks_the_deepspeed_source_from_the_engine():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
+    from lightning_ckguard.source_selection import gradient_source_for
+    from lightning_ckguard.sources import ParameterGradients
+
+    module = torch.nn.Linear(2, 2)
+    plain = gradient_source_for(DDPStrategy(), module)
+    assert isinstance(plain, ParameterGradients)
+    assert plain.defers_skip_outcome is False and plain.skipped_last_step() is False
+    engine = _FakeEngine(SimpleNamespace())
+    engine.module = module  # type: ignore[attr-defined]
+    assert isinstance(gradient_source_for(DDPStrategy(), engine), DeepSpeedGradients)  # Fabric passes the engine
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(deepspeed_missing() is not None, reason="DeepSpeed is not installed")
+def test_gradient_source_for_a_deepspeed_strategy_needs_its_engine():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
+    from lightning_ckguard.source_selection import gradient_source_for
+
+    module = torch.nn.Linear(2, 2)
+    strategy = DeepSpeedStrategy(stage=2)
+    with pytest.raises(ValueError, match="no DeepSpeed engine yet"):
+        gradient_source_for(strategy, module)
+    strategy.model = _FakeEngine(SimpleNamespace())  # type: ignore[assignment]
+    source = gradient_source_for(strategy, module)
+    assert isinstance(source, DeepSpeedGradients) and source.parameter_names == ["weight", "bias"]
