@@ -8,10 +8,15 @@ rank 1 only, after DDP's all-reduce, so rank 0 never sees it.
 2. ``FiniteGradCheckpoint``: every rank raises the same ``NonFiniteGradientError`` at the next boundary (step 24);
    nothing is written, deleted or linked.
 3. A fresh run resumes from the intact ``last.ckpt`` and finishes.
+
+It runs on ``lightning.pytorch`` (``import lightning as L``) by default. ``python examples/ddp_nan_demo.py --lightning
+pytorch_lightning`` (or ``CKGUARD_DEMO_LIGHTNING=pytorch_lightning``) runs the same demo on the ``pytorch_lightning``
+package, with ``from lightning_ckguard.pytorch_lightning import FiniteGradCheckpoint``.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
@@ -20,13 +25,34 @@ import warnings
 from datetime import timedelta
 
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
+
+def chosen_lightning() -> str:
+    """``--lightning``, else ``$CKGUARD_DEMO_LIGHTNING``, else ``lightning.pytorch``. Rank 1 is started with the same
+    command line and environment, so every rank chooses the same package."""
+    parser = argparse.ArgumentParser(description="Two-process CPU DDP demo of FiniteGradCheckpoint.")
+    parser.add_argument("--lightning", choices=("lightning.pytorch", "pytorch_lightning"),
+                        default=os.environ.get("CKGUARD_DEMO_LIGHTNING") or "lightning.pytorch",
+                        help="the Lightning package to train with (default: lightning.pytorch)")
+    return parser.parse_known_args()[0].lightning
+
+
+LIGHTNING = chosen_lightning()
+if LIGHTNING == "pytorch_lightning":
+    from pytorch_lightning import LightningModule, Trainer, seed_everything
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.strategies import DDPStrategy
+    from pytorch_lightning.utilities import rank_zero_only
+
+    from lightning_ckguard.pytorch_lightning import FiniteGradCheckpoint, NonFiniteGradientError
+else:
+    from lightning.pytorch import LightningModule, Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 
 FAULT_STEP = 23
 MAX_STEPS = 40
@@ -95,11 +121,14 @@ def say(*lines: str) -> None:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    for name in ("lightning.pytorch", "lightning.fabric"):
+    for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
     root = os.environ.setdefault("CKGUARD_DEMO_DIR", tempfile.mkdtemp(prefix="ckguard-demo-"))
     plain_dir, guarded_dir = os.path.join(root, "plain"), os.path.join(root, "guarded")
+    if LIGHTNING != "lightning.pytorch":
+        say(f"[0] {LIGHTNING}: {Trainer.__module__.split('.')[0]}.Trainer with "
+            f"{FiniteGradCheckpoint.__module__}.FiniteGradCheckpoint")
 
     fit(latest_two_and_last(ModelCheckpoint, plain_dir), inject_fault=True)
     say(f"[1] ModelCheckpoint, NaN on rank 1 at step {FAULT_STEP}:", f"    {on_disk(plain_dir)}")

@@ -7,6 +7,7 @@ imports recording, agreement or publication code: every other module may import 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -44,13 +45,18 @@ def barrier(strategy: Any, name: str) -> None:
         strategy.barrier(name)
 
 
-def is_deepspeed_strategy(strategy: Any) -> bool:
-    """Whether ``strategy`` is Lightning's or Fabric's ``DeepSpeedStrategy`` (or a subclass)."""
-    # lightning's strategy modules import without DeepSpeed; DeepSpeed itself is only needed to run one
-    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+def _deepspeed_strategy_classes() -> tuple[type, ...]:
+    # only packages already imported: a strategy of a package nobody imported cannot exist, and importing one (the
+    # separate `pytorch_lightning` copy, say) would cost seconds at a save. The strategy modules import without
+    # DeepSpeed itself.
+    modules = ("lightning.fabric.strategies", "lightning.pytorch.strategies", "lightning_fabric.strategies",
+               "pytorch_lightning.strategies")
+    return tuple(cls for name in modules if (cls := getattr(sys.modules.get(name), "DeepSpeedStrategy", None)))
 
-    return isinstance(strategy, (DeepSpeedStrategy, FabricDeepSpeedStrategy))
+
+def is_deepspeed_strategy(strategy: Any) -> bool:
+    """Whether ``strategy`` is a ``DeepSpeedStrategy`` (or a subclass) of Lightning or Fabric, in either package."""
+    return isinstance(strategy, _deepspeed_strategy_classes())
 
 
 __all__ = ["barrier", "broadcast_value", "gather_ints", "is_deepspeed_strategy", "is_multiprocess"]

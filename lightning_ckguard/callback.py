@@ -13,11 +13,13 @@ The callback is deliberately thin. Each saving hook of ``ModelCheckpoint`` runs 
 
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from weakref import proxy
 
 import lightning.pytorch as pl
@@ -61,12 +63,44 @@ _warnings = WarningCache()
 STATE_FORMAT_VERSION = 1
 _FORMAT_KEY = "ckguard_format_version"
 
+#: The public class name in either package; the state key and messages use it.
+PUBLIC_NAME = "FiniteGradCheckpoint"
+
+#: How each Lightning package's users import the callback: the one implementation below, subclassing that package's
+#: ``ModelCheckpoint`` (``lightning`` and ``pytorch_lightning`` hold separate copies of the same classes).
+IMPORT_FOR_PACKAGE = {
+    "lightning.pytorch": "from lightning_ckguard import FiniteGradCheckpoint",
+    "pytorch_lightning": "from lightning_ckguard.pytorch_lightning import FiniteGradCheckpoint",
+}
+
+
+@dataclass(frozen=True)
+class LightningPackage:
+    """The classes of one Lightning package that the callback checks against."""
+
+    name: str  # "lightning.pytorch" or "pytorch_lightning"
+    trainer: type
+    model_checkpoint: type
+    torch_checkpoint_io: type
+
+
+def _package_of(module: str) -> str | None:
+    """The Lightning package a module belongs to, or None."""
+    return next((name for name in IMPORT_FOR_PACKAGE if module == name or module.startswith(name + ".")), None)
+
+
 #: Attributes that only mean something while a fit runs (a Trainer, a module's gradient source, this boundary's vote):
 #: not part of the callback's value, so a pickled or deep-copied callback leaves them out.
 _RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote")
 
 
-class FiniteGradCheckpoint(ModelCheckpoint):
+if TYPE_CHECKING:
+    _CheckpointBase = ModelCheckpoint  # what the mixin is always combined with, for the type checker
+else:
+    _CheckpointBase = object
+
+
+class GuardedCheckpoint(_CheckpointBase):
     r"""Drop-in replacement for :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that never publishes a
     checkpoint after a non-finite gradient.
 
@@ -97,7 +131,14 @@ class FiniteGradCheckpoint(ModelCheckpoint):
 
         checkpoint = FiniteGradCheckpoint(monitor="val_loss", save_top_k=3, save_last=True)
         trainer = Trainer(strategy="ddp", devices=2, callbacks=[checkpoint])
+
+    One implementation serves both Lightning packages: ``from lightning_ckguard import FiniteGradCheckpoint``
+    subclasses ``lightning.pytorch``'s ``ModelCheckpoint``, ``from lightning_ckguard.pytorch_lightning import
+    FiniteGradCheckpoint`` that of ``pytorch_lightning``; use the one your Trainer comes from.
     """
+
+    #: The Lightning package of the concrete class: its Trainer, ModelCheckpoint and checkpoint IO.
+    _lightning: ClassVar[LightningPackage]
 
     def __init__(
         self,
@@ -167,14 +208,10 @@ class FiniteGradCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ setup and recording
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not isinstance(trainer, pl.Trainer):
-            # the `pytorch_lightning` package is a separate copy of the same classes: its Trainer would not treat
-            # this callback as a ModelCheckpoint (and would add its own), so refuse it instead of half-working
-            raise TypeError(
-                "FiniteGradCheckpoint is a `lightning.pytorch` callback and needs a `lightning.pytorch.Trainer`, got "
-                f"`{type(trainer).__module__}.{type(trainer).__qualname__}`. Import the Trainer (and your "
-                "LightningModule) from `lightning.pytorch`."
-            )
+        if not isinstance(trainer, self._lightning.trainer):
+            # `lightning.pytorch` and `pytorch_lightning` are separate copies of the same classes: a Trainer of the
+            # other package would not treat this callback as a ModelCheckpoint (it adds its own), so refuse it
+            raise self._wrong_package_error(type(trainer).__module__, type(trainer).__qualname__)
         super().setup(trainer, pl_module, stage)
         self._trainer = trainer
         PublicationSeal.install(trainer, self)
@@ -186,6 +223,17 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             # every rank, as every rank writes its part of a directory checkpoint: fail now, not at the first save
             failure = unwritable_dirpath_error(str(self.dirpath), trainer.global_rank, trainer.global_step)
             agree_on_write(trainer.strategy, failure, str(self.dirpath))
+
+    def _wrong_package_error(self, module: str, trainer_class: str | None = None) -> TypeError:
+        """The error for a Trainer of another package: ``module`` is the Trainer's (or the Trainer code's) module."""
+        here, other = self._lightning.name, _package_of(module)
+        user = f"`{module}.{trainer_class}`" if trainer_class else f"a `{other}` Trainer"
+        hint = (f" For a `{other}` Trainer, use `{IMPORT_FOR_PACKAGE[other]}`." if other is not None and other != here
+                else f" Import the Trainer (and your LightningModule) from `{here}`.")
+        return TypeError(
+            f"This {PUBLIC_NAME} (`{IMPORT_FOR_PACKAGE[here]}`) is a `{here}` callback and needs a `{here}.Trainer`, "
+            f"got {user}.{hint}"
+        )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # After a rejection the seal stays: no later save in this process may publish the diverged state.
@@ -251,7 +299,7 @@ class FiniteGradCheckpoint(ModelCheckpoint):
                 self,
                 hook,
                 agree=lambda: self._agree(trainer, name).accepted,
-                remove=partial(ModelCheckpoint._remove_checkpoint, self, trainer),
+                remove=partial(super()._remove_checkpoint, trainer),  # ModelCheckpoint's own: removes for real
             )
         finally:
             self._vote = None  # the top-K vote belongs to this boundary: the next one takes its own
@@ -369,7 +417,8 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         )
         if not (through_lightning and is_local(self._fs)):
             return False
-        return writes_directories(trainer.strategy) or isinstance(trainer.strategy.checkpoint_io, TorchCheckpointIO)
+        checkpoint_io = trainer.strategy.checkpoint_io
+        return writes_directories(trainer.strategy) or isinstance(checkpoint_io, self._lightning.torch_checkpoint_io)
 
     def _save_staged(self, trainer: pl.Trainer, filepath: str) -> None:
         """``ModelCheckpoint._save_checkpoint``, publishing atomically: every rank writes into a staging sibling
@@ -436,40 +485,28 @@ class FiniteGradCheckpoint(ModelCheckpoint):
         else:
             super()._remove_checkpoint(trainer, filepath)
 
-    @staticmethod
-    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
-        # a static method, as in ModelCheckpoint: the boundary it belongs to is the transaction running now
-        transaction = active_transaction()
-        if transaction is None or not isinstance(transaction.checkpoint, FiniteGradCheckpoint):
-            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
-            return
-        transaction.admit()  # a boundary whose first file operation is a link agrees here
-        transaction.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
-        if not is_local(transaction.checkpoint._fs):
-            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
-            return
-        # the link is made beside `linkpath` (same relative target) and renamed over it: `last` is never gone
-        staging = staging_path(linkpath)
-        ModelCheckpoint._link_checkpoint(trainer, filepath, staging)  # rank 0 links, then a barrier
-        if trainer.is_global_zero and os.path.lexists(staging):
-            move_into_place(staging, linkpath)
-
-    # ------------------------------------------------------------------ resuming
-
     @property
     def state_key(self) -> str:
         """Exactly the key ``ModelCheckpoint`` with the same arguments stores its state under, so checkpoints move
-        between the two classes both ways with nothing lost (a subclass keeps its own name, as for any callback)."""
+        between the two classes both ways with nothing lost (a subclass keeps its own name, as for any callback).
+
+        Raises:
+            TypeError: When a Trainer of the other Lightning package asks (it validates its callbacks' keys while it
+                is constructed, before any hook could say which import fits).
+        """
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if _package_of(caller) not in (None, self._lightning.name):
+            raise self._wrong_package_error(caller)
         key = super().state_key
-        if type(self).__qualname__ == FiniteGradCheckpoint.__qualname__:
-            return ModelCheckpoint.__qualname__ + key[len(FiniteGradCheckpoint.__qualname__) :]
+        if type(self).__qualname__ == PUBLIC_NAME:
+            return "ModelCheckpoint" + key[len(PUBLIC_NAME) :]
         return key
 
     @property
     def _legacy_state_key(self) -> Any:
         # where earlier releases stored the state ("FiniteGradCheckpoint{...}"): Lightning falls back to it on load
-        if type(self).__qualname__ == FiniteGradCheckpoint.__qualname__:
-            return FiniteGradCheckpoint.__qualname__ + self.state_key[len(ModelCheckpoint.__qualname__) :]
+        if type(self).__qualname__ == PUBLIC_NAME:
+            return PUBLIC_NAME + self.state_key[len("ModelCheckpoint") :]
         return super()._legacy_state_key
 
     def __getstate__(self) -> dict[str, Any]:
@@ -531,3 +568,31 @@ class FiniteGradCheckpoint(ModelCheckpoint):
             "are incomplete: "
             + ", ".join(missing)
         )
+
+
+def link_in_boundary(link: Callable[[Any, str, str], None], trainer: Any, filepath: str, linkpath: str) -> None:
+    """``ModelCheckpoint._link_checkpoint`` (``link``, a static method) inside a guarded boundary: the boundary it
+    belongs to is the transaction running now. Outside one it is ``link`` itself."""
+    transaction = active_transaction()
+    if transaction is None or not isinstance(transaction.checkpoint, GuardedCheckpoint):
+        link(trainer, filepath, linkpath)
+        return
+    transaction.admit()  # a boundary whose first file operation is a link agrees here
+    transaction.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
+    if not is_local(transaction.checkpoint._fs):
+        link(trainer, filepath, linkpath)
+        return
+    # the link is made beside `linkpath` (same relative target) and renamed over it: `last` is never gone
+    staging = staging_path(linkpath)
+    link(trainer, filepath, staging)  # rank 0 links, then a barrier
+    if trainer.is_global_zero and os.path.lexists(staging):
+        move_into_place(staging, linkpath)
+
+
+class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):
+    __doc__ = GuardedCheckpoint.__doc__
+    _lightning = LightningPackage("lightning.pytorch", pl.Trainer, ModelCheckpoint, TorchCheckpointIO)
+
+    @staticmethod
+    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # static, as in ModelCheckpoint
+        link_in_boundary(ModelCheckpoint._link_checkpoint, trainer, filepath, linkpath)

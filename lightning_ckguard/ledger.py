@@ -58,15 +58,20 @@ class Ledger:
     def capture(cls, checkpoint: ModelCheckpoint) -> Ledger:
         """Snapshot ``checkpoint``'s bookkeeping. Containers are copied; ModelCheckpoint replaces tensors, never
         mutates them in place, so they are shared."""
-        values = {name: getattr(checkpoint, attribute) for name, attribute in _ATTRIBUTES.items()}
+        # an attribute an older Lightning's ModelCheckpoint lacks (`_defer_save_until_validation` before 2.5.5)
+        # is captured as its default and never written back
+        values: dict[str, Any] = {name: getattr(checkpoint, attr, _ABSENT) for name, attr in _ATTRIBUTES.items()}
         values["best_k_models"] = dict(values["best_k_models"])
+        if values["defer_save_until_validation"] is _ABSENT:
+            values["defer_save_until_validation"] = False
         return cls(**values)
 
     def apply_to(self, checkpoint: ModelCheckpoint) -> None:
         """Make ``checkpoint``'s bookkeeping exactly this snapshot."""
         for name, attribute in _ATTRIBUTES.items():
-            value = getattr(self, name)
-            setattr(checkpoint, attribute, dict(value) if isinstance(value, dict) else value)
+            if hasattr(checkpoint, attribute):
+                value = getattr(self, name)
+                setattr(checkpoint, attribute, dict(value) if isinstance(value, dict) else value)
 
     def without(self, paths: list[str], mode: str) -> Ledger:
         """This ledger with the checkpoints at ``paths`` forgotten (``mode`` is ``"min"`` or ``"max"``): best and
@@ -92,6 +97,8 @@ class Ledger:
         """Field-by-field equality, tensors compared by value."""
         return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
 
+
+_ABSENT = object()
 
 #: ModelCheckpoint attributes that the ledger tracks.
 TRACKED_ATTRIBUTES = frozenset(_ATTRIBUTES.values())

@@ -3,21 +3,49 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning_namespace import building_from, lightning_module, namespace
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ckguard.ledger import Ledger
+
+# from `lightning.pytorch`, or from `pytorch_lightning` in a worker run with CKGUARD_TEST_LIGHTNING=pytorch_lightning
+# (tests/lightning_namespace.py): FaultyModel, CountingStrategy and FailingIO then belong to that package's Trainer
+ModelCheckpoint = lightning_module("callbacks").ModelCheckpoint
+BoringModel = lightning_module("demos.boring_classes").BoringModel
+TorchCheckpointIO = lightning_module("plugins.io").TorchCheckpointIO
+SingleDeviceStrategy = lightning_module("strategies").SingleDeviceStrategy
+
+
+def helpers_for(name: str) -> ModuleType:
+    """This module built from Lightning namespace ``name`` (``"lightning.pytorch"`` or ``"pytorch_lightning"``):
+    this very module when it is the one it was imported for, otherwise a second copy, imported once as
+    ``helpers_pytorch_lightning`` (an importable name, so a CLI ``class_path`` can name its classes)."""
+    if name == namespace():
+        return sys.modules[__name__]
+    module_name = f"{__name__}_{name.replace('.', '_')}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, __file__)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            with building_from(name):
+                spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return sys.modules[module_name]
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
 

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from conftest import LAST_AT_EVERY_BOUNDARY
 from helpers import QUIET, CountingStrategy, FaultyModel, ledger_state, relative_paths, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 
@@ -88,7 +89,8 @@ def test_boundaries_that_write_nothing_need_no_agreement(tmp_path):
     strategy = CountingStrategy()
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
     fit(callback, dict(EPOCHS, strategy=strategy), val_losses=[1.0, 2.0, 3.0, 4.0])  # only epoch 0 is a top-1
-    assert strategy.all_gathers == 1
+    # Lightning 2.6 writes `last` only where a top-K file was saved; 2.5 at every validation end, each one a write
+    assert strategy.all_gathers == (4 if LAST_AT_EVERY_BOUNDARY else 1)
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
 
 

@@ -3,6 +3,11 @@
 A NaN is written into one gradient element on rank 1 only, after DDP's all-reduce. If any rank decided alone, its
 peer would wait in the next collective (ZeRO-1 consolidation, the save barrier) until the 60 s timeout, and the
 scenario would report an unexpected error instead of the agreed ``NonFiniteGradientError``.
+
+Every test runs twice, once per Lightning namespace (``tests/lightning_namespace.py``): ``[lightning]`` is
+``lightning.pytorch`` with ``lightning_ckguard.FiniteGradCheckpoint``, ``[pytorch_lightning]`` is ``pytorch_lightning``
+with ``lightning_ckguard.pytorch_lightning.FiniteGradCheckpoint``. The ``ranks`` fixture launches the workers once per
+namespace.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import os
 from typing import Any
 
 import pytest
+from lightning_namespace import IDS, NAMESPACES, lightning_env
 
 from conftest import read_rank_results, run_ranks
 from helpers import relative_paths
@@ -32,10 +38,16 @@ EXPECTED_REJECTION = {
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("ddp")
-    return read_rank_results(out, run_ranks("workers/ddp_scenarios.py", [str(out)], timeout=600))
+@pytest.fixture(scope="module", params=NAMESPACES, ids=[IDS[name] for name in NAMESPACES])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every scenario on 2 ranks, built from one Lightning namespace (one launch per namespace)."""
+    out = tmp_path_factory.mktemp(f"ddp-{IDS[request.param]}")
+    proc = run_ranks("workers/ddp_scenarios.py", [str(out)], timeout=600, env=lightning_env(request.param))
+    results = read_rank_results(out, proc)
+    for rank, rank_results in enumerate(results):  # the worker really built from the namespace the test asked for
+        trainers = {r["trainer"] for r in rank_results.values() if "trainer" in r}
+        assert trainers == {f"{request.param}.trainer.trainer"}, f"rank {rank} ran under {trainers}"
+    return results
 
 
 def _dirname(result: dict[str, Any]) -> str:

@@ -83,3 +83,16 @@ def test_gradient_source_for_a_deepspeed_strategy_needs_its_engine():
     strategy.model = _FakeEngine(SimpleNamespace())  # type: ignore[assignment]
     source = gradient_source_for(strategy, module)
     assert isinstance(source, DeepSpeedGradients) and source.parameter_names == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning", "lightning.fabric", "lightning_fabric"])
+def test_a_deepspeed_strategy_of_either_lightning_package_gets_the_deepspeed_source(package):
+    import importlib
+
+    from lightning_ckguard._distributed import is_deepspeed_strategy
+
+    strategies = importlib.import_module(f"{package}.strategies")
+    # created without running its constructor, which needs DeepSpeed installed: only the type matters here
+    deepspeed = strategies.DeepSpeedStrategy.__new__(strategies.DeepSpeedStrategy)
+    assert is_deepspeed_strategy(deepspeed)
+    assert not is_deepspeed_strategy(strategies.DDPStrategy())

@@ -3,6 +3,10 @@
 Lightning's subprocess script launcher starts rank 1 by re-running this script. Every rank runs every scenario
 in order, in one process group, and writes what it observed to ``OUT_DIR/rank{N}.json``. A scenario that hangs
 fails through the 60 s collective timeout; the test adds its own wall-clock timeout on top.
+
+The Trainer, the callbacks and the strategy come from ``$CKGUARD_TEST_LIGHTNING`` (``tests/lightning_namespace.py``):
+``lightning.pytorch`` with ``from lightning_ckguard import FiniteGradCheckpoint`` by default, ``pytorch_lightning``
+with ``from lightning_ckguard.pytorch_lightning import FiniteGradCheckpoint`` when it says so.
 """
 
 from __future__ import annotations
@@ -19,12 +23,24 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint  # noqa: E402
+from lightning_namespace import ckguard_module, lightning_module  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FailingIO, FaultyModel, ledger_state, run_scenarios, tree_digest  # noqa: E402
-from lightning_ckguard import CheckpointWriteError, FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
+from helpers import (  # noqa: E402
+    QUIET,
+    FailingIO,
+    FaultyModel,
+    ModelCheckpoint,
+    ledger_state,
+    run_scenarios,
+    tree_digest,
+)
+
+Trainer, seed_everything = lightning_module().Trainer, lightning_module().seed_everything
+EMAWeightAveraging = lightning_module("callbacks").EMAWeightAveraging
+FiniteGradCheckpoint = ckguard_module().FiniteGradCheckpoint
+CheckpointWriteError = ckguard_module().CheckpointWriteError
+NonFiniteGradientError = ckguard_module().NonFiniteGradientError
 
 warnings.filterwarnings("ignore")
 DEVICES = int(os.environ.get("CKGUARD_TEST_DEVICES", "2"))  # tests/test_four_ranks.py runs a subset on 4
@@ -91,6 +107,7 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
     except Exception as error:  # reported, so the test shows what went wrong on which rank
         result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
     result.update(
+        trainer=type(trainer).__module__,  # which Lightning package this scenario ran under
         tree=tree_digest(dirpath),
         state=ledger_state(callback),
         snapshots={str(k): v for k, v in model.snapshots.items()},

@@ -10,6 +10,11 @@
 
 Every strategy gets the collective ``timeout``, which is required: a rank left waiting for a peer fails after it
 instead of hanging (``run_ranks`` adds the wall-clock kill on top).
+
+The strategy classes come from the worker's Lightning namespace (``tests/lightning_namespace.py``:
+``lightning.pytorch`` by default, ``pytorch_lightning`` with ``CKGUARD_TEST_LIGHTNING=pytorch_lightning``), so they fit
+its Trainer. The DeepSpeed shim subclasses ``lightning.pytorch``'s ``DeepSpeedStrategy``: the DeepSpeed kinds exist
+for ``lightning.pytorch`` only.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from lightning_namespace import ENV, lightning_module, namespace
 
 DDP_KINDS = ("ddp", "zero1")
 DEEPSPEED_STAGES = {"ds1": 1, "ds2": 2, "ds3": 3}
@@ -45,14 +52,14 @@ def make_strategy(
         # a DeepSpeed option on another kind would be silently ignored, and the scenario would not test what it says
         raise ValueError(f"DeepSpeed config {sorted(deepspeed_config)} given for the {kind!r} strategy")
     wrap = wrap or (lambda cls: cls)
+    strategies = lightning_module("strategies")
     if kind in DDP_KINDS:
-        from lightning.pytorch.strategies import DDPStrategy
-
-        return wrap(DDPStrategy)(timeout=timeout)
+        return wrap(strategies.DDPStrategy)(timeout=timeout)
     if kind == "fsdp2":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        return wrap(ModelParallelStrategy)(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
+        return wrap(strategies.ModelParallelStrategy)(data_parallel_size=2, tensor_parallel_size=1, timeout=timeout)
+    if namespace() != "lightning.pytorch":
+        raise ValueError(f"the {kind!r} strategy (tests/deepspeed_shim.py) is a lightning.pytorch strategy; this "
+                         f"worker builds from {namespace()} ({ENV})")
     # imported only here, and so first here unless the worker imported it already: it selects DeepSpeed's CPU
     # accelerator and avoids a JIT build, which must happen before DeepSpeed is imported anywhere
     import deepspeed_shim

@@ -1,0 +1,44 @@
+"""``FiniteGradCheckpoint`` for the ``pytorch_lightning`` package (``import pytorch_lightning as pl``).
+
+``lightning`` installs two packages that hold separate copies of the same classes, ``lightning.pytorch`` and
+``pytorch_lightning``, and a Trainer only treats a callback of its own package's ``ModelCheckpoint`` as a checkpoint
+callback. This module combines the one implementation (:class:`~lightning_ckguard.callback.GuardedCheckpoint`) with
+``pytorch_lightning``'s ``ModelCheckpoint``; behaviour, arguments, errors and guarantees are the same::
+
+    import pytorch_lightning as pl
+    from lightning_ckguard.pytorch_lightning import FiniteGradCheckpoint, NonFiniteGradientError
+
+    trainer = pl.Trainer(strategy="ddp", devices=2, callbacks=[FiniteGradCheckpoint(monitor="val_loss")])
+
+The errors and the Trainer-free core are the very same objects as in ``lightning_ckguard``.
+"""
+
+import pytorch_lightning as pl
+from lightning_fabric.plugins.io import TorchCheckpointIO
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from lightning_ckguard.agreement import RankReport, Verdict
+from lightning_ckguard.callback import GuardedCheckpoint, LightningPackage, link_in_boundary
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
+from lightning_ckguard.guard import GradientGuard
+from lightning_ckguard.report import BoundaryReport
+
+
+class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):  # type: ignore[misc]  # two copies of one API
+    __doc__ = GuardedCheckpoint.__doc__
+    _lightning = LightningPackage("pytorch_lightning", pl.Trainer, ModelCheckpoint, TorchCheckpointIO)
+
+    @staticmethod
+    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
+        link_in_boundary(ModelCheckpoint._link_checkpoint, trainer, filepath, linkpath)
+
+
+__all__ = [
+    "BoundaryReport",
+    "CheckpointWriteError",
+    "FiniteGradCheckpoint",
+    "GradientGuard",
+    "NonFiniteGradientError",
+    "RankReport",
+    "Verdict",
+]

@@ -1,0 +1,64 @@
+"""One process, both spellings: a NaN on a chosen step is refused, the directory is left as the last good save wrote
+it, and ``ckpt_path="last"`` resumes from there.
+
+``[lightning]`` is ``lightning.pytorch.Trainer`` with ``from lightning_ckguard import FiniteGradCheckpoint``;
+``[pytorch_lightning]`` is ``pytorch_lightning.Trainer`` with ``from lightning_ckguard.pytorch_lightning import
+FiniteGradCheckpoint``, and the model is ``helpers.FaultyModel`` built from that package (``helpers_for``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+from lightning_namespace import CKGUARD_MODULES, IDS, NAMESPACES
+
+import lightning_ckguard
+from helpers import QUIET, helpers_for, ledger_state, tree_digest
+
+# a boundary every 2 steps, at each epoch's end (so `last.ckpt` resumes cleanly); the NaN at step 5 is refused at the
+# boundary at step 6
+CALLBACK = dict(every_n_train_steps=2, save_top_k=-1, save_last=True, filename="{step}")
+TRAINER = dict(max_steps=8, limit_train_batches=2, limit_val_batches=0, **QUIET)
+
+
+@pytest.mark.parametrize("lightning", NAMESPACES, ids=[IDS[name] for name in NAMESPACES])
+def test_nan_is_refused_then_resume_from_last_finishes(tmp_path, lightning):
+    package = importlib.import_module(lightning)
+    helpers = helpers_for(lightning)
+    ckguard = importlib.import_module(CKGUARD_MODULES[lightning])
+    # the errors are the same objects in both imports
+    assert ckguard.NonFiniteGradientError is lightning_ckguard.NonFiniteGradientError
+    assert ckguard.CheckpointWriteError is lightning_ckguard.CheckpointWriteError
+
+    guard = ckguard.FiniteGradCheckpoint(dirpath=tmp_path, **CALLBACK)
+    trainer = package.Trainer(callbacks=[guard], default_root_dir=tmp_path, **TRAINER)
+    assert trainer.checkpoint_callback is guard
+    model = helpers.FaultyModel(fault_steps=[5])
+    package.seed_everything(0, verbose=False)
+    with pytest.raises(lightning_ckguard.NonFiniteGradientError) as error:
+        trainer.fit(model)
+    fields = error.value.fields()
+    assert (fields["ranks"], fields["first_step"], fields["last_step"]) == ([0], 5, 5)
+    assert (fields["global_step"], fields["parameters"]) == (6, ["layer.weight"])
+    # the directory and the callback's state are what the last good save (step 4) left
+    before = model.snapshots[5]
+    assert tree_digest(tmp_path) == before["tree"] and ledger_state(guard) == before["state"]
+    assert set(before["tree"]) == {"step=2.ckpt", "step=4.ckpt", "last.ckpt"}
+    assert guard.last_model_path == str(tmp_path / "last.ckpt")
+
+    resumed = ckguard.FiniteGradCheckpoint(dirpath=tmp_path, **CALLBACK)
+    trainer = package.Trainer(callbacks=[resumed], default_root_dir=tmp_path, **TRAINER)
+    trainer.fit(helpers.FaultyModel(), ckpt_path="last")  # resolved through the guard, the checkpoint callback
+    assert trainer.ckpt_path == str(tmp_path / "last.ckpt")
+    assert trainer.global_step == 8 and resumed.last_verdict is not None and resumed.last_verdict.accepted
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt", "step=6.ckpt", "step=8.ckpt"]
+    last = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 8
+    assert all(torch.isfinite(t).all() for t in last["state_dict"].values())
+    # the good files the refused run left are untouched by the resumed one
+    after = tree_digest(tmp_path)
+    assert [after[name] for name in ("step=2.ckpt", "step=4.ckpt")] == [before["tree"][name] for name in
+                                                                          ("step=2.ckpt", "step=4.ckpt")]
