@@ -23,7 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_namespace import CKGUARD_MODULES, IDS, NAMESPACES
 
-from conftest import TESTS
+from conftest import LIGHTNING_2_5, TESTS
 from helpers import QUIET, helpers_for
 from lightning_ckguard import FiniteGradCheckpoint
 
@@ -253,7 +253,13 @@ def test_the_other_packages_trainer_is_refused_with_the_import_that_fits(tmp_pat
     guard = callback_class(dirpath=tmp_path / "guarded", **arguments)
     # refused at construction, before a plain ModelCheckpoint could be added beside it (same state key with default
     # arguments) and before anything runs or is written
-    with pytest.raises(TypeError) as error:
-        trainer_class(callbacks=[guard], default_root_dir=tmp_path, max_steps=2, **QUIET)
-    assert FITTING_IMPORTS[trainer_package] in str(error.value), str(error.value)
+    if LIGHTNING_2_5:
+        # Lightning 2.5's Trainer gives up on a callback of the other package before any callback code runs
+        # (`is_overridden` without a parent): its own error, which cannot name the import
+        with pytest.raises(ValueError, match="Expected a parent"):
+            trainer_class(callbacks=[guard], default_root_dir=tmp_path, max_steps=2, **QUIET)
+    else:
+        with pytest.raises(TypeError) as error:
+            trainer_class(callbacks=[guard], default_root_dir=tmp_path, max_steps=2, **QUIET)
+        assert FITTING_IMPORTS[trainer_package] in str(error.value), str(error.value)
     assert not (tmp_path / "guarded").exists() and not os.listdir(tmp_path)
