@@ -118,17 +118,18 @@ def run_boundary(
     """
     transaction = BoundaryTransaction(checkpoint, Ledger.capture(checkpoint), agree)
     token = _active.set(transaction)
+    held: list[logging.LogRecord] = []
+    # the held lines are emitted only once the hold is lifted: emitted under it, each would be held again
     try:
         with _held_rank_zero_logs() as held:
-            try:
-                run_hook()
-            except BoundaryRejected:
-                transaction.before.apply_to(checkpoint)
-                return "rejected"  # the held lines described what was not done: dropped
-            except BaseException:
-                _roll_back(transaction, remove)
-                _emit(held)
-                raise
+            run_hook()
+    except BoundaryRejected:
+        transaction.before.apply_to(checkpoint)
+        return "rejected"  # the held lines described what was not done: dropped
+    except BaseException:
+        _roll_back(transaction, remove)
+        _emit(held)  # what ModelCheckpoint said before the failed write, as it would have said it
+        raise
     finally:
         _active.reset(token)
     for path in transaction.deferred_removals:

@@ -66,3 +66,15 @@ def test_forgetting_checkpoints_chooses_best_and_kth_again_among_the_rest(mode):
     assert (empty.best_k_models, empty.best_model_path, empty.best_model_score) == ({}, "", None)
     assert float(empty.kth_value) == (float("inf") if mode == "min" else -float("inf"))
     assert ledger.best_k_models == scores  # a new value; the original is unchanged
+
+
+def test_a_failed_write_still_logs_the_lines_model_checkpoint_logged_before_it(caplog, tmp_path):
+    # ModelCheckpoint says "saving model to ..." and then the write fails: the line is held during the boundary and,
+    # as the boundary was not rejected, reaches the log like ModelCheckpoint's own would
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, verbose=True)
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], plugins=[FailingIO(fail_on="epoch=0")], **QUIET, **EPOCHS)
+    with caplog.at_level("INFO"), pytest.raises(OSError, match="No space left"):
+        trainer.fit(FaultyModel(val_losses=[3.0, 2.0, 1.0]))
+    saving = [r.getMessage() for r in caplog.records if "saving model to" in r.getMessage()]
+    assert len(saving) == 1 and "epoch=0-step=2.ckpt" in saving[0], saving
