@@ -80,7 +80,6 @@ class LightningPackage:
 
     name: str  # "lightning.pytorch" or "pytorch_lightning"
     trainer: type
-    model_checkpoint: type
     torch_checkpoint_io: type
 
 
@@ -137,7 +136,8 @@ class GuardedCheckpoint(_CheckpointBase):
     FiniteGradCheckpoint`` that of ``pytorch_lightning``; use the one your Trainer comes from.
     """
 
-    #: The Lightning package of the concrete class: its Trainer, ModelCheckpoint and checkpoint IO.
+    #: The Lightning package of the concrete class: its Trainer and checkpoint IO (its ModelCheckpoint is the next
+    #: class in the MRO, reached through ``super()``).
     _lightning: ClassVar[LightningPackage]
 
     def __init__(
@@ -411,11 +411,7 @@ class GuardedCheckpoint(_CheckpointBase):
         """Whether a checkpoint is written beside its name and renamed into place: on a local filesystem, for the
         writes Lightning itself makes at exactly the path it is given. A ``save_checkpoint`` the user replaced (a
         ``Mock``) or a ``CheckpointIO`` of their own gets the real path, as from ``ModelCheckpoint``."""
-        attribute = vars(trainer).get("save_checkpoint")
-        through_lightning = attribute.writes_through_lightning if isinstance(attribute, PublicationSeal) else (
-            attribute is None
-        )
-        if not (through_lightning and is_local(self._fs)):
+        if not (PublicationSeal.writes_through_lightning(trainer) and is_local(self._fs)):
             return False
         checkpoint_io = trainer.strategy.checkpoint_io
         return writes_directories(trainer.strategy) or isinstance(checkpoint_io, self._lightning.torch_checkpoint_io)
@@ -591,7 +587,7 @@ def link_in_boundary(link: Callable[[Any, str, str], None], trainer: Any, filepa
 
 class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):
     __doc__ = GuardedCheckpoint.__doc__
-    _lightning = LightningPackage("lightning.pytorch", pl.Trainer, ModelCheckpoint, TorchCheckpointIO)
+    _lightning = LightningPackage("lightning.pytorch", pl.Trainer, TorchCheckpointIO)
 
     @staticmethod
     def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # static, as in ModelCheckpoint

@@ -26,7 +26,7 @@ from lightning_ckguard.report import BoundaryReport
 
 class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):  # type: ignore[misc]  # two copies of one API
     __doc__ = GuardedCheckpoint.__doc__
-    _lightning = LightningPackage("pytorch_lightning", pl.Trainer, ModelCheckpoint, TorchCheckpointIO)
+    _lightning = LightningPackage("pytorch_lightning", pl.Trainer, TorchCheckpointIO)
 
     @staticmethod
     def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]

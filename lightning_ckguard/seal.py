@@ -74,11 +74,14 @@ class PublicationSeal:
         """The registered guards still alive, in registration order."""
         return [guard for guard in (ref() for ref in self._guards) if guard is not None]
 
-    @property
-    def writes_through_lightning(self) -> bool:
-        """Whether writes go through Lightning's own ``Trainer.save_checkpoint`` (not a method the user replaced),
-        so that the file lands at exactly the path it is given."""
-        return self._replaced_method is _ABSENT
+    @staticmethod
+    def writes_through_lightning(trainer: Any) -> bool:
+        """Whether ``trainer``'s writes go through Lightning's own ``Trainer.save_checkpoint`` (not a method the user
+        replaced), sealed or not, so that the file lands at exactly the path it is given."""
+        attribute = vars(trainer).get("save_checkpoint", _ABSENT)
+        if isinstance(attribute, PublicationSeal):
+            attribute = attribute._replaced_method
+        return attribute is _ABSENT
 
     def __call__(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         admitted = [guard.admit_save(self._trainer, str(filepath)) for guard in self.guards]
