@@ -99,3 +99,7 @@ def test_stop_refuses_other_checkpoint_callbacks_and_returns_normally(tmp_path):
     assert sorted(os.listdir(tmp_path / "guarded")) == ["epoch=0-step=2.ckpt"]
     assert sorted(os.listdir(tmp_path / "other")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert guard.rejection is not None and guard.rejection.global_step == 4
+    # fit() returned and tore down, but the rejection stands: a manual save afterwards publishes nothing
+    with pytest.raises(NonFiniteGradientError):
+        trainer.save_checkpoint(tmp_path / "manual.ckpt")
+    assert not (tmp_path / "manual.ckpt").exists()
