@@ -13,10 +13,10 @@ from packaging.version import Version
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
+# read from the metadata: importing the top-level `lightning` package here would change its loggers' setup
+LIGHTNING_2_5 = Version(importlib.metadata.version("lightning")) < Version("2.6")
 #: Lightning 2.5's ModelCheckpoint writes `last` at every validation end with `save_last=True`; 2.6 only where it
 #: also saved a top-K file. Tests that count writes or agreements say which one they expect.
-# (read from the metadata: importing the top-level `lightning` package here would change its loggers' setup)
-LIGHTNING_2_5 = Version(importlib.metadata.version("lightning")) < Version("2.6")
 LAST_AT_EVERY_BOUNDARY = LIGHTNING_2_5
 
 
