@@ -2,9 +2,10 @@
 
 Each rank records a step, then every iteration starts from a barrier and times on every rank:
 
-  guard.agree(pg)                  the whole preflight: window summary, ONE all_gather of 16 int64 per rank
-                                   (128 bytes x world size), the verdict
-  all_gather(16 int64) alone       the collective inside it, without the summary and the verdict
+  guard.agree(pg)                  the whole preflight: window summary, ONE all_gather of 57 int64 per rank
+                                   (16 for the window, 41 for the state check's outcome; 456 bytes x world size),
+                                   the verdict (the state check's own read is timed by ``state_check.py``)
+  all_gather(57 int64) alone       the collective inside it, without the summary and the verdict
   reduce_boolean_decision          what ModelCheckpoint runs per monitored boundary (the top-K vote): one
                                    all_reduce of one integer (DDPStrategy.reduce_boolean_decision)
   broadcast(file_exists)           what ModelCheckpoint runs per saved file (``file_exists``): broadcast_object_list
@@ -39,9 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, table  # noqa: E402
 
 from lightning_ckguard import GradientGuard  # noqa: E402
+from lightning_ckguard.state_check import STATE_SUMMARY_SIZE  # noqa: E402
 from lightning_ckguard.window import SUMMARY_SIZE  # noqa: E402
 
-ROWS = ["guard.agree(pg)", "all_gather(16 int64) alone", "reduce_boolean_decision", "broadcast(file_exists)", "barrier"]
+PAYLOAD = SUMMARY_SIZE + STATE_SUMMARY_SIZE  # int64 per rank: the window's summary, then the state check's part
+GATHER_ROW = f"all_gather({PAYLOAD} int64) alone"
+
+ROWS = ["guard.agree(pg)", GATHER_ROW, "reduce_boolean_decision", "broadcast(file_exists)", "barrier"]
 
 
 def _free_port() -> int:
@@ -66,11 +71,11 @@ def _worker(rank: int, world: int, port: int, iterations: int, out: str) -> None
         dist.all_reduce(decision, op=dist.ReduceOp.SUM)
         bool(decision == world)
 
-    summary = guard.window.summary()
+    summary = torch.zeros(PAYLOAD, dtype=torch.int64)
     gather = [torch.empty_like(summary) for _ in range(world)]
     ops = {
         "guard.agree(pg)": lambda: guard.agree(pg, global_step=1),
-        "all_gather(16 int64) alone": lambda: dist.all_gather(gather, summary),
+        GATHER_ROW: lambda: dist.all_gather(gather, summary),
         "reduce_boolean_decision": vote,
         "broadcast(file_exists)": lambda: dist.broadcast_object_list([os.path.exists(out)], src=0),
         "barrier": dist.barrier,
@@ -107,7 +112,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=200)
     args = parser.parse_args()
     print(f"# Preflight agreement latency (gloo, CPU)\n\nMachine: {machine()}\n")
-    print(f"Payload of the agreement: {SUMMARY_SIZE} int64 per rank ({SUMMARY_SIZE * 8} bytes x world size), "
+    print(f"Payload of the agreement: {PAYLOAD} int64 per rank ({PAYLOAD * 8} bytes x world size), "
           f"one all_gather per boundary; {args.iterations} iterations, median of the slowest rank.\n")
     rows = []
     for world in args.world_sizes:

@@ -2,15 +2,16 @@
 
 Run it with ``python examples/fabric_guard.py``; Fabric starts rank 1 itself (2 CPU processes, gloo). The loop
 records every optimizer step with ``guard.record(optimizer)`` (device-side: no host sync, no collective), and every
-``--every`` steps all ranks agree with ``guard.agree(fabric.strategy)`` before ``fabric.save``. At ``--fault-step`` a
-NaN is written into one gradient element on rank 1 only, after DDP's all-reduce, so rank 0 never sees it.
+``--every`` steps all ranks agree with ``guard.agree(fabric.strategy, state=state)`` before ``fabric.save(path, state)``
+(each rank also checks its own part of ``state``). At ``--fault-step`` a NaN is written into one gradient element on
+rank 1 only, after DDP's all-reduce, so rank 0 never sees it.
 
 The save after the fault is rejected on both ranks with the same verdict; nothing is written for it. Both ranks roll
 back to the last good checkpoint and train on, and the next saves are finite again::
 
     step 4: accepted, wrote step=4.ckpt
     step 8: rejected on every rank: NonFiniteGradientError(ranks=(1,), steps 7-7, parameters=['2.weight'])
-            rank 0: 0 non-finite steps; rank 1: 1 non-finite step
+            rank 0: 0 non-finite steps; rank 1: 1 non-finite step; non-finite state rank 1: model: parameter 2.weight
             nothing written; rolled back to step=4.ckpt
     step 12: accepted, wrote step=12.ckpt
     on disk: step=12.ckpt (finite), step=4.ckpt (finite)
@@ -64,8 +65,10 @@ def describe(verdict: Verdict) -> list[str]:
         f"rank {r.rank}: {r.non_finite_steps} non-finite step{'' if r.non_finite_steps == 1 else 's'}"
         for r in verdict.reports
     )
+    state = "; ".join(f"rank {rank}: {name}" for rank, name in error.non_finite_state)
     return [f"rejected on every rank: NonFiniteGradientError(ranks={error.ranks}, steps {error.first_step}-"
-            f"{error.last_step}, parameters={list(error.parameters)})", per_rank]
+            f"{error.last_step}, parameters={list(error.parameters)})", per_rank + (f"; non-finite state {state}"
+                                                                                   if state else "")]
 
 
 def train(fabric: Fabric, steps: int, fault_step: int, every: int, out: str) -> list[dict[str, Any]]:
@@ -92,10 +95,12 @@ def train(fabric: Fabric, steps: int, fault_step: int, every: int, out: str) -> 
         if (step + 1) % every and step + 1 != steps:
             continue
         name = f"step={step + 1}.ckpt"
-        verdict = guard.agree(fabric.strategy, global_step=step + 1)  # every rank, same point, same verdict
+        state = {"model": model, "optimizer": optimizer, "step": step + 1}
+        # every rank, same point, same verdict; each rank also checks its own part of the state it is about to save
+        verdict = guard.agree(fabric.strategy, global_step=step + 1, state=state)
         event: dict[str, Any] = {"global_step": step + 1, "file": name, "verdict": verdict_fields(verdict)}
         if verdict.accepted:
-            fabric.save(os.path.join(out, name), {"model": model, "optimizer": optimizer, "step": step + 1})
+            fabric.save(os.path.join(out, name), state)
             guard.reset()  # only after a publish
             last_good = name
             fabric.print(f"step {step + 1}: accepted, wrote {name}")

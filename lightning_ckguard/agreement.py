@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_ckguard import window as w
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.report import BoundaryReport
+from lightning_ckguard.state_check import decode_state_summary
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,14 @@ class RankReport:
     pending_rejection: bool
     num_parameters: int
     parameter_indices: tuple[int, ...]
+    non_finite_state: int = 0
+    state_tensors: tuple[str, ...] = ()
 
     @classmethod
     def from_summary(cls, rank: int, row: Sequence[int]) -> RankReport:
-        """Read one rank's gathered summary vector (see :meth:`NonFiniteWindow.summary`)."""
+        """Read one rank's gathered summary vector: the window's (see :meth:`NonFiniteWindow.summary`), then the state
+        check's part (:mod:`lightning_ckguard.state_check`), if any."""
+        non_finite_state, state_tensors = decode_state_summary(row[w.SUMMARY_SIZE :])
         return cls(
             rank=rank,
             non_finite_steps=row[w.APPLIED],
@@ -49,7 +54,9 @@ class RankReport:
             last_skipped_step=row[w.LAST_SKIPPED],
             pending_rejection=bool(row[w.PENDING]),
             num_parameters=row[w.NUM_PARAMETERS],
-            parameter_indices=tuple(i for i in row[w.SUMMARY_HEADER :] if i >= 0),
+            parameter_indices=tuple(i for i in row[w.SUMMARY_HEADER : w.SUMMARY_SIZE] if i >= 0),
+            non_finite_state=non_finite_state,
+            state_tensors=state_tensors,
         )
 
     def counted_steps(self, count_skipped_steps: bool) -> int:
@@ -63,13 +70,21 @@ class RankReport:
         valid_firsts = [s for s in firsts if s >= 0]
         return (min(valid_firsts) if valid_firsts else -1, max(lasts))
 
-    def rejects(self, count_skipped_steps: bool) -> bool:
-        """Whether this rank's window rejects the boundary."""
+    def rejects_gradients(self, count_skipped_steps: bool) -> bool:
+        """Whether this rank's window (its gradient history) rejects the boundary."""
         return self.pending_rejection or self.counted_steps(count_skipped_steps) > 0
+
+    def rejects(self, count_skipped_steps: bool) -> bool:
+        """Whether this rank rejects the boundary: its window does, or its state to be written is not finite (whatever
+        ``count_skipped_steps`` says)."""
+        return self.non_finite_state > 0 or self.rejects_gradients(count_skipped_steps)
 
 
 def evaluate_reports(reports: Sequence[RankReport], count_skipped_steps: bool) -> tuple[bool, str]:
     """Decide a boundary from every rank's report. Returns ``(accepted, reason)``; pure and deterministic."""
+    state = [r.rank for r in reports if r.non_finite_state]
+    if state:
+        return False, f"non-finite state to be written on rank(s) {state}"
     rejecting = [r.rank for r in reports if r.rejects(count_skipped_steps)]
     if rejecting:
         return False, f"non-finite gradients recorded on rank(s) {rejecting}"
@@ -92,8 +107,10 @@ class Verdict:
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """Ranks whose window rejects the boundary (empty when accepted)."""
-        return tuple(r.rank for r in self.reports if r.rejects(self.count_skipped_steps))
+        """The ranks the rejection is attributed to (empty when accepted): those whose window (gradient history)
+        rejects, or, when no window does, those whose state to be written is not finite."""
+        gradients = tuple(r.rank for r in self.reports if r.rejects_gradients(self.count_skipped_steps))
+        return gradients or tuple(r.rank for r in self.reports if r.non_finite_state)
 
     @property
     def num_steps(self) -> int:
@@ -118,6 +135,17 @@ class Verdict:
         return max((r.step_range(self.count_skipped_steps)[1] for r in self.reports), default=-1)
 
     @property
+    def non_finite_state(self) -> tuple[tuple[int, str], ...]:
+        """``(rank, tensor name)`` of every non-finite state tensor about to be written, by rank; a rank with more than
+        its names could carry adds ``(rank, "N more tensor(s)")``."""
+        found: list[tuple[int, str]] = []
+        for r in self.reports:
+            found.extend((r.rank, name) for name in r.state_tensors)
+            if r.non_finite_state > len(r.state_tensors):
+                found.append((r.rank, f"{r.non_finite_state - len(r.state_tensors)} more tensor(s)"))
+        return tuple(found)
+
+    @property
     def parameters(self) -> tuple[str, ...]:
         """Names of offending parameters reported by the rejecting ranks, in parameter order."""
         indices = sorted({i for r in self.reports if r.rejects(self.count_skipped_steps) for i in r.parameter_indices})
@@ -136,6 +164,7 @@ class Verdict:
             skipped_steps=self.skipped_steps,
             parameters=self.parameters,
             pending_rejection=any(r.pending_rejection for r in self.reports),
+            non_finite_state=self.non_finite_state,
         )
 
     def to_error(self) -> NonFiniteGradientError:
@@ -148,7 +177,7 @@ class Verdict:
 def reach_verdict(
     gathered: Tensor, global_step: int, parameter_names: Sequence[str], count_skipped_steps: bool
 ) -> Verdict:
-    """Turn the gathered ``[world_size, SUMMARY_SIZE]`` summaries into a verdict. The only host read of a boundary."""
+    """Turn the gathered ``[world_size, SUMMARY_SIZE (+ STATE_SUMMARY_SIZE)]`` summaries into a verdict."""
     rows = gathered.to("cpu").tolist()
     reports = tuple(RankReport.from_summary(rank, row) for rank, row in enumerate(rows))
     accepted, reason = evaluate_reports(reports, count_skipped_steps)

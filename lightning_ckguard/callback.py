@@ -51,6 +51,7 @@ from lightning_ckguard.staging import (
     staging_path,
     writes_directories,
 )
+from lightning_ckguard.state_sources import averaged_weights, lightning_checkpoint_state
 from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision
 
 log = logging.getLogger(__name__)
@@ -245,9 +246,7 @@ class GuardedCheckpoint(_CheckpointBase):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after the strategy wrapped the model and built the optimizers, so parameter identities are final
         source = gradient_source_for(trainer.strategy, pl_module)
-        self._guard = GradientGuard(
-            pl_module, count_skipped_steps=self.count_skipped_steps, source=source, device=trainer.strategy.root_device
-        )
+        self._guard = self._new_guard(trainer, source)
         if self._rejection is not None:
             resumed = trainer.ckpt_path is not None
             rank_zero_info(
@@ -257,6 +256,24 @@ class GuardedCheckpoint(_CheckpointBase):
             )
             self._rejection = None
             self._guard.reset(pending_rejection=not resumed)
+
+    def _new_guard(self, trainer: pl.Trainer, source: Any = None) -> GradientGuard:
+        """A guard for ``trainer``'s module; buffers that are non-finite by design now (a ``-inf`` attention mask), in
+        the module and in averaged copies, are left out of its state check, with an info line naming them."""
+        guard = GradientGuard(trainer.lightning_module, count_skipped_steps=self.count_skipped_steps, source=source,
+                              device=trainer.strategy.root_device)
+        constants = sorted(guard.note_constant_buffers(trainer.lightning_module))
+        for callback in getattr(trainer, "callbacks", ()):  # set by Lightning's callback connector
+            averaged = averaged_weights(callback)
+            if averaged is not None:
+                label = f"averaged weights ({type(callback).__name__})"
+                constants += [f"{label}: {name}" for name in sorted(guard.note_constant_buffers(averaged))]
+        if constants:
+            _warnings.info(
+                "FiniteGradCheckpoint: these buffers hold non-finite values at the start (e.g. an attention mask of "
+                f"-inf), so they are treated as constants and not checked: {', '.join(constants)}."
+            )
+        return guard
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
@@ -312,8 +329,10 @@ class GuardedCheckpoint(_CheckpointBase):
 
     def _agree(self, trainer: pl.Trainer, boundary: str) -> Verdict:
         if self._guard is None:  # not fitting: nothing was recorded, but every rank still meets here
-            self._guard = GradientGuard(trainer.lightning_module, device=trainer.strategy.root_device)
-        verdict = self._guard.agree(trainer.strategy, global_step=trainer.global_step)
+            self._guard = self._new_guard(trainer)
+        # the state this write will hold is checked too, before anything is collected, in the same agreement
+        state = lightning_checkpoint_state(trainer)
+        verdict = self._guard.agree(trainer.strategy, global_step=trainer.global_step, state=state)
         report = verdict.report(boundary)
         self._last_verdict, self._last_report = verdict, report
         self._counts["accepted" if verdict.accepted else "rejected"] += 1

@@ -20,6 +20,14 @@ def _steps(first_step: int, last_step: int, num_steps: int) -> str:
     return f"{num_steps} optimizer {plural} (steps {first_step} to {last_step})"
 
 
+def _state_cause(non_finite_state: Sequence[tuple[int, str]]) -> str:
+    by_rank: dict[int, list[str]] = {}
+    for rank, name in non_finite_state:
+        by_rank.setdefault(rank, []).append(name)
+    parts = [f"rank {rank}: {', '.join(names)}" for rank, names in sorted(by_rank.items())]
+    return f"the state about to be written holds non-finite values ({'; '.join(parts)})"
+
+
 def rejection_text(
     *,
     ranks: Sequence[int],
@@ -29,29 +37,36 @@ def rejection_text(
     global_step: int,
     parameters: Sequence[str],
     skipped_steps: int,
+    non_finite_state: Sequence[tuple[int, str]] = (),
 ) -> str:
     """The sentence every rank raises and rank zero warns with for a rejected boundary."""
     rank_word = "rank" if len(ranks) == 1 else "ranks"
     rank_list = ", ".join(str(r) for r in ranks)
+    causes: list[str] = []
+    skipped_named = False
     if num_steps > 0:
-        cause = (
+        causes.append(
             f"non-finite gradients were recorded on {rank_word} {rank_list} in "
             f"{_steps(first_step, last_step, num_steps)} since the last published checkpoint"
         )
-    elif skipped_steps > 0:
-        cause = (
+    elif skipped_steps > 0 and not non_finite_state:
+        skipped_named = True
+        causes.append(
             f"{skipped_steps} optimizer step(s) with non-finite gradients were skipped by the loss scaler or "
             f"DeepSpeed on {rank_word} {rank_list} (steps {first_step} to {last_step}) and `count_skipped_steps=True`"
         )
-    else:
-        cause = (
+    elif not non_finite_state:
+        causes.append(
             f"the previous boundary on {rank_word} {rank_list} was rejected and no optimizer step has run since, "
             "so the weights are still the rejected ones"
         )
-    text = f"Refusing to publish a checkpoint at global step {global_step}: {cause}."
+    if non_finite_state:  # next to the gradient history, if there is one
+        causes.append(_state_cause(non_finite_state))
+    text = f"Refusing to publish a checkpoint at global step {global_step}: {'; and '.join(causes)}."
     if parameters:
-        text += f" Offending parameters: {', '.join(parameters)}."
-    if skipped_steps and num_steps:
+        noun = "Offending parameters" if num_steps > 0 or skipped_named else "Parameters with non-finite gradients"
+        text += f" {noun}: {', '.join(parameters)}."
+    if skipped_steps and not skipped_named:
         text += f" Another {skipped_steps} step(s) were skipped by the loss scaler or DeepSpeed and never applied."
     return text + (
         " Nothing was written, deleted or linked for this boundary; the checkpoints already on disk are the last "
@@ -76,13 +91,15 @@ class _ComparedByValue:
 
 
 class NonFiniteGradientError(_ComparedByValue, RuntimeError):
-    """Raised on every rank, with the same fields, when a checkpoint boundary sees non-finite gradients.
+    """Raised on every rank, with the same fields, when a checkpoint boundary sees non-finite gradients, or a
+    non-finite tensor in the state it is about to write.
 
     Nothing was committed, written, deleted or linked for the rejected boundary: the files in the checkpoint
     directory and the checkpoint callback's state are exactly what they were before it.
 
     Attributes:
-        ranks: Sorted global ranks that recorded a non-finite gradient in the window.
+        ranks: Sorted global ranks the rejection is attributed to: those that recorded a non-finite gradient in the
+            window, or, when none did, those whose state to be written was not finite.
         first_step: First optimizer step (the value of ``trainer.global_step`` when it ran) with a non-finite gradient.
         last_step: Last such step.
         num_steps: Number of non-finite optimizer steps in the window. Ranks count their own steps; this is the
@@ -90,6 +107,10 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         global_step: The ``trainer.global_step`` of the rejected boundary.
         parameters: Names of offending parameters, where the gradient source can attribute them.
         skipped_steps: Steps that a loss scaler or DeepSpeed skipped (never applied) in the window.
+        pending_rejection: The previous boundary was rejected and no optimizer step has run since.
+        non_finite_state: ``(rank, tensor name)`` of each non-finite tensor in the state about to be written (e.g.
+            ``(1, "buffer bn.running_var")``, ``(1, "optimizer: fp32 master partition of group 0")``); such a
+            tensor rejects the boundary whatever the gradients were.
     """
 
     def __init__(
@@ -103,6 +124,7 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         parameters: Sequence[str] = (),
         skipped_steps: int = 0,
         pending_rejection: bool = False,
+        non_finite_state: Sequence[tuple[int, str] | Sequence[Any]] = (),
     ) -> None:
         self.ranks: tuple[int, ...] = tuple(sorted(ranks))
         self.first_step = first_step
@@ -112,6 +134,7 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         self.parameters: tuple[str, ...] = tuple(parameters)
         self.skipped_steps = skipped_steps
         self.pending_rejection = pending_rejection
+        self.non_finite_state: tuple[tuple[int, str], ...] = tuple((int(r), str(n)) for r, n in non_finite_state)
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -128,11 +151,12 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
             "parameters": list(self.parameters),
             "skipped_steps": self.skipped_steps,
             "pending_rejection": self.pending_rejection,
+            "non_finite_state": [list(entry) for entry in self.non_finite_state],
         }
 
     def _key(self) -> tuple[Any, ...]:
         return (self.ranks, self.first_step, self.last_step, self.num_steps, self.global_step, self.parameters,
-                self.skipped_steps, self.pending_rejection)
+                self.skipped_steps, self.pending_rejection, self.non_finite_state)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # keyword-only constructor: rebuild from fields so the error survives pickling (spawned workers, queues)

@@ -10,7 +10,8 @@ directly::
         guard.record(optimizer)          # device-side, no host sync, no collective
         optimizer.step()
         optimizer.zero_grad()
-    verdict = guard.agree(fabric.strategy)  # one all_gather, same verdict on every rank
+    state = {"model": model, "optimizer": optimizer}
+    verdict = guard.agree(fabric.strategy, state=state)  # one all_gather, same verdict on every rank
     if verdict.accepted:
         fabric.save(path, state)
         guard.reset()
@@ -27,6 +28,8 @@ from torch import Tensor, nn
 
 from lightning_ckguard.agreement import Verdict, all_gather_for, reach_verdict
 from lightning_ckguard.sources import GradientSource, ParameterGradients
+from lightning_ckguard.state_check import StateCheck
+from lightning_ckguard.state_sources import constant_buffers, named_state
 from lightning_ckguard.window import NonFiniteWindow
 
 
@@ -67,6 +70,9 @@ class GradientGuard:
         self.count_skipped_steps = count_skipped_steps
         self.source: GradientSource = source if source is not None else ParameterGradients(module)
         self.window = NonFiniteWindow(torch.device(device))
+        self._state_check = StateCheck()
+        self._constant_buffers: dict[int, frozenset[str]] = {}
+        self.note_constant_buffers(module)
         self._steps_seen = 0
 
     def record(
@@ -96,16 +102,36 @@ class GradientGuard:
         if self.window.has_pending_step:
             self.window.settle(skipped=self.source.skipped_last_step())
 
-    def agree(self, collective: Any | None = None, *, global_step: int | None = None) -> Verdict:
+    def agree(
+        self, collective: Any | None = None, *, global_step: int | None = None, state: Any | None = None
+    ) -> Verdict:
         """Join the one agreement collective and return the verdict, which is the same on every rank.
 
         Every rank of ``collective`` must call this at the same point. ``collective`` is a Lightning/Fabric
         strategy, a ``torch.distributed`` process group, or ``None`` for a single process. Agreeing does not reset
         the window: call :meth:`reset` once the checkpoint is published.
+
+        ``state`` is what this rank is about to write (what ``fabric.save`` gets: a dict of modules, optimizers and
+        tensors, or a :class:`~lightning_ckguard.state_sources.CheckpointState`). Each of its local tensors is
+        checked too, before the agreement, and a non-finite one rejects the boundary whatever ``count_skipped_steps``
+        says; its name travels in the same collective (``verdict.non_finite_state``). Checking it reads one small
+        flag vector to the host.
         """
-        gathered = all_gather_for(collective)(self.window.summary())
+        summary = self.window.summary()
+        state_tensors = named_state(state, constants=self._constant_buffers) if state is not None else None
+        checked = self._state_check.summary(state_tensors, summary.device)
+        gathered = all_gather_for(collective)(torch.cat([summary, checked]))
         step = self._steps_seen if global_step is None else global_step
         return reach_verdict(gathered, step, self.source.parameter_names, self.count_skipped_steps)
+
+    def note_constant_buffers(self, module: nn.Module) -> frozenset[str]:
+        """Leave ``module``'s buffers that hold non-finite values now (an attention mask filled with ``-inf``) out of
+        the state check: they are constants of the model. Done for the guard's own module when it is created; call it
+        for other modules you save (an averaged copy). Returns their names."""
+        module = unwrap_module(module)
+        names = constant_buffers(module)
+        self._constant_buffers[id(module)] = names
+        return names
 
     def reset(self, *, pending_rejection: bool = False) -> None:
         """Start a fresh window. ``pending_rejection=True`` keeps rejecting until a new step is recorded."""

@@ -13,7 +13,8 @@ from lightning_ckguard.errors import NonFiniteGradientError
 
 # what a report passes on to the error
 _ERROR_FIELDS = (
-    "global_step", "ranks", "first_step", "last_step", "num_steps", "skipped_steps", "parameters", "pending_rejection"
+    "global_step", "ranks", "first_step", "last_step", "num_steps", "skipped_steps", "parameters", "pending_rejection",
+    "non_finite_state",
 )
 
 
@@ -32,6 +33,8 @@ class BoundaryReport:
         skipped_steps: Steps a loss scaler or DeepSpeed skipped in the window (never applied).
         parameters: Offending parameter names, where attributable.
         pending_rejection: Rejected because an earlier boundary was, and no optimizer step has run since.
+        non_finite_state: ``(rank, tensor name)`` of each non-finite tensor in the state about to be written
+            (parameters, buffers, optimizer state, averaged weights); such a tensor rejects the boundary by itself.
     """
 
     boundary: str
@@ -44,6 +47,7 @@ class BoundaryReport:
     skipped_steps: int = 0
     parameters: tuple[str, ...] = ()
     pending_rejection: bool = False
+    non_finite_state: tuple[tuple[int, str], ...] = ()
 
     @property
     def message(self) -> str:

@@ -27,6 +27,14 @@ from helpers import ledger_state, tree_digest
 
 FAULT_FEATURE = 3
 FAULT_PARAMETERS = ["stem.weight", "stem.bias"]
+# The state a boundary right after an applied NaN step would have written, as the state check names it: under
+# DeepSpeed ZeRO-1/2 rank 1's fp32 master partition (which holds `stem`) and the parameters gathered from it, on both
+# ranks; under FSDP2 only rank 1's shards of `stem`.
+APPLIED_NAN_STATE = {
+    "deepspeed": [[0, "parameter stem.weight"], [0, "parameter stem.bias"], [1, "parameter stem.weight"],
+                  [1, "parameter stem.bias"], [1, "optimizer: fp32 master partition of group 0"]],
+    "fsdp2": [[1, "parameter stem.weight"], [1, "parameter stem.bias"]],
+}
 
 
 def _nan_feature(grad: Tensor) -> Tensor:

@@ -103,7 +103,7 @@ def test_rejection_of_top_k_plus_link_changes_nothing(tmp_path):
         trainer.fit(model)
     assert info.value.fields() == {
         "ranks": [0], "first_step": 7, "last_step": 7, "num_steps": 1, "global_step": 9,
-        "parameters": ["layer.weight"], "skipped_steps": 0, "pending_rejection": False,
+        "parameters": ["layer.weight"], "skipped_steps": 0, "pending_rejection": False, "non_finite_state": [],
     }
     assert tree_digest(str(tmp_path)) == model.snapshots[7]["tree"]
     assert ledger_state(callback) == model.snapshots[7]["state"]

@@ -31,6 +31,7 @@ EXPECTED_REJECTION = {
     "parameters": ["layer.weight"],
     "skipped_steps": 0,
     "pending_rejection": False,
+    "non_finite_state": [],
 }
 
 

@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 import pytest
-from sharded_helpers import FAULT_PARAMETERS
+from sharded_helpers import APPLIED_NAN_STATE, FAULT_PARAMETERS
 
 from conftest import LAST_AT_EVERY_BOUNDARY, deepspeed_missing, run_ranks
 
@@ -61,15 +61,17 @@ _failed: dict[str, str] = {}
 
 def expected_error(strategy: str, faulty: str) -> dict[str, Any]:
     if strategy in ("ddp", "zero1"):
-        # the NaN is written after the all-reduce: exactly the faulty ranks hold it
+        # the NaN is written after the all-reduce: exactly the faulty ranks hold it (sanitized before the step)
         ranks = {"0": [0], "1": [1], "all": [0, 1]}[faulty]
-        parameters, skipped = ["layer.weight"], 0
+        parameters, skipped, state = ["layer.weight"], 0, []
     else:
         # planted in the faulty ranks' local contribution, the reduction puts it in rank 1's partition or shard
         ranks, parameters, skipped = [1], FAULT_PARAMETERS, 0
+        # the NaN step was applied (rank 1's partition or shard); the state check names what it poisoned
+        state = APPLIED_NAN_STATE["fsdp2" if strategy == "fsdp2" else "deepspeed"]
         if strategy == "ds3":
             # DeepSpeed skips the step on every rank; count_skipped_steps=True makes the skip reject
-            ranks, skipped = [0, 1], 1
+            ranks, skipped, state = [0, 1], 1, []
     return {
         "ranks": ranks,
         "first_step": FAULT_STEP,
@@ -79,6 +81,7 @@ def expected_error(strategy: str, faulty: str) -> dict[str, Any]:
         "parameters": parameters,
         "skipped_steps": skipped,
         "pending_rejection": False,
+        "non_finite_state": state,
     }
 
 

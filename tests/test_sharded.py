@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 import pytest
-from sharded_helpers import FAULT_PARAMETERS
+from sharded_helpers import APPLIED_NAN_STATE, FAULT_PARAMETERS
 
 from conftest import TESTS, deepspeed_missing, read_rank_results, run_ranks
 from helpers import relative_paths
@@ -38,15 +38,16 @@ EXPECTED_REJECTION = {
     "parameters": FAULT_PARAMETERS,
     "skipped_steps": 0,
     "pending_rejection": False,
+    "non_finite_state": [],
 }
 # ZeRO-3 skips every step whose global gradient norm is not finite, whatever `check_grad_overflow` says: the NaN step
 # is never applied, and (with count_skipped_steps=True) the skip is what rejects. Every rank skipped it, so every rank
 # is listed; the parameters still come from the partition that held the NaN (rank 1's).
 EXPECTED = {
-    "zero1": EXPECTED_REJECTION,
-    "zero2": EXPECTED_REJECTION,
+    "zero1": {**EXPECTED_REJECTION, "non_finite_state": APPLIED_NAN_STATE["deepspeed"]},
+    "zero2": {**EXPECTED_REJECTION, "non_finite_state": APPLIED_NAN_STATE["deepspeed"]},
     "zero3": {**EXPECTED_REJECTION, "ranks": [0, 1], "skipped_steps": 1},  # see SKIPPED_AND_COUNTED
-    "fsdp2": EXPECTED_REJECTION,
+    "fsdp2": {**EXPECTED_REJECTION, "non_finite_state": APPLIED_NAN_STATE["fsdp2"]},
 }
 
 _cache: dict[str, list[dict[str, Any]]] = {}
@@ -116,7 +117,7 @@ SKIPPED_AND_COUNTED = {**EXPECTED_REJECTION, "ranks": [0, 1], "skipped_steps": 1
 @pytest.mark.parametrize(
     ("kind", "scenario", "expected"),
     [
-        ("zero2", "offload-reject", EXPECTED_REJECTION),  # the fp32 partition's .grad, on the CPU
+        ("zero2", "offload-reject", EXPECTED["zero2"]),  # the fp32 partition's .grad, on the CPU
         ("zero3", "offload-reject", SKIPPED_AND_COUNTED),  # ZeRO-3's gradient partitions, optimizer on the CPU
         ("zero1", "bf16-optimizer-reject", SKIPPED_AND_COUNTED),  # BF16_Optimizer (fp32 gradient accumulation)
     ],

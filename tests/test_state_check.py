@@ -1,0 +1,240 @@
+"""The state check in one process: what it reads, what it names, what it never flags, and what it rejects."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+
+from helpers import QUIET, ledger_state, tree_digest
+from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, NonFiniteGradientError
+from lightning_ckguard.state_check import NAME_WORDS, StateCheck, decode_state_summary
+from lightning_ckguard.state_sources import CheckpointState, named_state
+
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class BatchNormModel(BoringModel):
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        del self.layer
+        self.stem = nn.Linear(32, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 2)
+        self.optimizer = optimizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.bn(self.stem(x))))
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam-eps0":
+            return torch.optim.Adam(self.parameters(), lr=0.1, eps=0.0)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def _stepped(model: nn.Module, optimizer_class=torch.optim.Adam) -> torch.optim.Optimizer:
+    optimizer = optimizer_class(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_sources_name_parameters_buffers_and_optimizer_state_but_no_integers_or_step_counters():
+    model = BatchNormModel()
+    optimizer = _stepped(model)
+    names = [name for name, _ in CheckpointState(model, (optimizer,)).named_tensors()]
+    assert "parameter stem.weight" in names and "buffer bn.running_var" in names
+    assert "optimizer: exp_avg of stem.weight" in names and "optimizer: exp_avg_sq of out.bias" in names
+    assert "buffer bn.num_batches_tracked" not in names  # an integer buffer cannot be non-finite
+    assert not any(name.startswith("optimizer: step of") for name in names)  # step counters are counts, not values
+    fabric_names = [name for name, _ in named_state({"model": model, "optimizer": optimizer, "scale": torch.ones(1)})]
+    assert "model: parameter stem.weight" in fabric_names and "optimizer: exp_avg of stem.weight" in fabric_names
+    assert "scale" in fabric_names
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_large_finite_values_pass_and_every_non_finite_value_is_caught(dtype):
+    check = StateCheck()
+    big = torch.finfo(dtype).max
+    for values in ([1e30 if dtype in (torch.float32, torch.float64, torch.bfloat16) else 6e4, -1.0], [big, -big]):
+        for numel in (3, 5000, 70_000):
+            tensor = torch.zeros(numel, dtype=dtype)
+            tensor[: len(values)] = torch.tensor(values, dtype=dtype)
+            assert check.non_finite([("t", tensor)]) == [], (values, numel)
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                poisoned = tensor.clone()
+                poisoned[-1] = bad
+                assert check.non_finite([("t", poisoned)]) == ["t"], (bad, numel)
+
+
+def test_large_finite_weights_buffers_and_optimizer_state_do_not_reject():
+    model = BatchNormModel()
+    optimizer = _stepped(model)
+    big = torch.finfo(torch.float32).max
+    with torch.no_grad():
+        model.stem.weight.fill_(1e30)
+        model.out.weight.fill_(-big)
+        model.bn.running_var.fill_(big)
+        optimizer.state[model.stem.weight]["exp_avg_sq"].fill_(big)
+        optimizer.state[model.stem.weight]["step"].fill_(1e30)  # a (huge) step counter
+        model.bn.num_batches_tracked.fill_(2**62)
+    verdict = GradientGuard(model).agree(state={"model": model, "optimizer": optimizer})
+    assert verdict.accepted and verdict.non_finite_state == ()
+
+
+def test_the_names_travel_in_the_summary_and_a_long_list_is_counted():
+    names = [f"optimizer: exp_avg of block.{i}.attention.query.weight" for i in range(40)]
+    count, decoded = decode_state_summary(StateCheck().summary(None, torch.device("cpu")).tolist())
+    assert (count, decoded) == (0, ())
+    tensors = [(name, torch.tensor([float("nan")])) for name in names]
+    count, decoded = decode_state_summary(StateCheck().summary(tensors, torch.device("cpu")).tolist())
+    assert count == 40 and decoded == tuple(names[: len(decoded)]) and 0 < len(decoded) < 40
+    assert sum(len(n.encode()) + 1 for n in decoded) <= NAME_WORDS * 8 + 1
+    assert decode_state_summary(StateCheck().summary([("bn.ü", torch.tensor([float("inf")]))], torch.device("cpu"))
+                                .tolist()) == (1, ("bn.ü",))
+
+
+def test_the_core_rejects_non_finite_state_whatever_count_skipped_steps_says():
+    model = BatchNormModel()
+    optimizer = _stepped(model)
+    guard = GradientGuard(model, count_skipped_steps=False)
+    guard.record(optimizer)  # finite gradients
+    with torch.no_grad():
+        optimizer.state[model.out.weight]["exp_avg"][0, 0] = float("nan")
+    verdict = guard.agree(state={"model": model, "optimizer": optimizer}, global_step=7)
+    assert not verdict.accepted and verdict.ranks == (0,)
+    assert verdict.non_finite_state == ((0, "optimizer: exp_avg of out.weight"),)
+    error = verdict.to_error()
+    assert error.num_steps == 0 and error.non_finite_state == ((0, "optimizer: exp_avg of out.weight"),)
+    assert "rank 0: optimizer: exp_avg of out.weight" in str(error) and "global step 7" in str(error)
+    assert pickle.loads(pickle.dumps(error)) == error
+    assert guard.agree(global_step=7).accepted, "without state, only the gradients decide"
+
+
+class PoisonBuffer(Callback):
+    """At the end of the batch that reaches ``step``, write a NaN into ``bn.running_var`` (after a snapshot)."""
+
+    def __init__(self, checkpoint: FiniteGradCheckpoint, step: int) -> None:
+        self.checkpoint, self.step, self.snapshot = checkpoint, step, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and self.snapshot is None:
+            self.snapshot = (tree_digest(str(self.checkpoint.dirpath)), ledger_state(self.checkpoint))
+            with torch.no_grad():
+                pl_module.bn.running_var[1] = float("nan")
+
+
+def _periodic(tmp_path, **kwargs) -> FiniteGradCheckpoint:
+    return FiniteGradCheckpoint(dirpath=tmp_path, monitor="step", mode="max", save_top_k=2, every_n_train_steps=2,
+                                save_last=True, filename="{step}", **kwargs)
+
+
+def _batch_norm_data():
+    return torch.utils.data.DataLoader(torch.randn(64, 32), batch_size=4)
+
+
+@pytest.mark.parametrize("count_skipped_steps", [False, True])
+def test_a_nan_in_a_buffer_rejects_the_boundary_and_changes_nothing(tmp_path, count_skipped_steps):
+    seed_everything(0)
+    checkpoint = _periodic(tmp_path, count_skipped_steps=count_skipped_steps)
+    poison = PoisonBuffer(checkpoint, step=4)
+    trainer = Trainer(callbacks=[poison, checkpoint], max_steps=8, limit_val_batches=0, **QUIET)
+    with pytest.raises(NonFiniteGradientError) as info:
+        trainer.fit(BatchNormModel(), train_dataloaders=_batch_norm_data())
+    assert info.value.non_finite_state == ((0, "buffer bn.running_var"),) and info.value.num_steps == 0
+    assert "buffer bn.running_var" in str(info.value)
+    assert poison.snapshot == (tree_digest(str(tmp_path)), ledger_state(checkpoint))
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt"]
+
+
+def test_adam_with_eps_zero_makes_a_nan_from_finite_gradients_and_it_is_not_published(tmp_path):
+    # a parameter whose gradient is exactly zero: Adam's update is 0 / (sqrt(0) + 0)
+    class Frozen(BatchNormModel):
+        def training_step(self, batch, batch_idx):
+            return self(batch).sum() * 0.0 + self.stem.bias.sum() * 0.0
+
+    seed_everything(0)
+    checkpoint = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    trainer = Trainer(callbacks=[checkpoint], max_steps=3, limit_val_batches=0, **QUIET)
+    with pytest.raises(NonFiniteGradientError) as info:
+        trainer.fit(Frozen("adam-eps0"), train_dataloaders=_batch_norm_data())
+    assert info.value.num_steps == 0, "the gradients were finite"
+    assert (0, "parameter stem.weight") in info.value.non_finite_state
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_manual_save_goes_through_the_same_check(tmp_path):
+    class SaveByHand(Callback):
+        """At step 1 a finite manual save; at step 3 an infinite momentum, then a manual save."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                trainer.save_checkpoint(tmp_path / "manual-finite.ckpt")
+            if trainer.global_step == 3:
+                with torch.no_grad():
+                    trainer.optimizers[0].state[pl_module.stem.weight]["momentum_buffer"][0, 0] = float("inf")
+                trainer.save_checkpoint(tmp_path / "manual.ckpt")
+
+    seed_everything(0)
+    checkpoint = FiniteGradCheckpoint(dirpath=tmp_path / "run", every_n_train_steps=100)
+    trainer = Trainer(callbacks=[SaveByHand(), checkpoint], max_steps=4, limit_val_batches=0, **QUIET)
+    with pytest.raises(NonFiniteGradientError) as info:
+        trainer.fit(BatchNormModel(), train_dataloaders=_batch_norm_data())
+    assert info.value.non_finite_state == ((0, "optimizer: momentum_buffer of stem.weight"),)
+    assert info.value.global_step == 3
+    assert not (tmp_path / "manual.ckpt").exists() and (tmp_path / "manual-finite.ckpt").exists()
+
+
+def test_a_nan_in_the_averaged_weights_only_is_not_published(tmp_path):
+    from lightning.pytorch import callbacks
+
+    if not hasattr(callbacks, "EMAWeightAveraging"):
+        pytest.skip("this Lightning has no EMAWeightAveraging (2.6+)")
+
+    class PoisonAverage(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4:
+                ema = next(c for c in trainer.callbacks if isinstance(c, callbacks.EMAWeightAveraging))
+                with torch.no_grad():
+                    next(ema._average_model.parameters()).view(-1)[0] = float("nan")
+
+    seed_everything(0)
+    checkpoint = _periodic(tmp_path)
+    trainer = Trainer(callbacks=[callbacks.EMAWeightAveraging(decay=0.5), PoisonAverage(), checkpoint], max_steps=8,
+                      limit_val_batches=0, **QUIET)
+    with pytest.raises(NonFiniteGradientError) as info:
+        trainer.fit(BatchNormModel(), train_dataloaders=_batch_norm_data())
+    assert info.value.non_finite_state == ((0, "averaged weights (EMAWeightAveraging): parameter module.stem.weight"),)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt"]
+
+
+class MaskedModel(BatchNormModel):
+    """Attention-style masks filled with ``-inf``: one persistent (written into the checkpoint), one not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        mask = torch.triu(torch.full((4, 4), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask)
+        self.register_buffer("scratch_mask", mask.clone(), persistent=False)
+
+
+def test_buffers_non_finite_by_design_are_constants_not_divergence(tmp_path, caplog):
+    seed_everything(0)
+    checkpoint = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer = Trainer(callbacks=[checkpoint], max_steps=4, limit_val_batches=0, **QUIET)
+    model = MaskedModel()
+    with caplog.at_level("INFO"):
+        trainer.fit(model, train_dataloaders=_batch_norm_data())
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert "treated as constants and not checked: mask." in caplog.text  # the persistent one; the other is not written
+    # a buffer that turns non-finite during the fit is still checked
+    guard = GradientGuard(model)
+    with torch.no_grad():
+        model.bn.running_mean[0] = float("nan")
+    verdict = guard.agree(state={"model": model})
+    assert verdict.non_finite_state == ((0, "model: buffer bn.running_mean"),)
