@@ -53,7 +53,7 @@ def _fault(kind: str, step: int) -> dict[str, Any]:
 def _assert_restored(check: dict[str, Any], kind: str, where: str) -> None:
     for part in ("weights", "optimizer"):
         comparison = check[part]
-        assert comparison["compared"] >= 2, f"{where}: no {part} tensors compared: {comparison}"
+        assert comparison["compared"] >= 1, f"{where}: no {part} tensors compared: {comparison}"
         assert not comparison["different"] and not comparison["missing"], f"{where}: {part} differ: {comparison}"
     if kind in ("ddp", "zero1"):
         assert check["schedulers"] == [True], f"{where}: the LR scheduler was not restored"
