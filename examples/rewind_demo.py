@@ -12,7 +12,8 @@ all-reduce, so rank 0 never sees it and rank 1's weights take the NaN step: the 
 3. The fit reaches ``max_steps`` in the same processes, without a restart, and every checkpoint on disk is finite::
 
     [1] rank 1 sees a NaN at step 11; the boundary at step 15 is rejected on every rank
-    [2] rewound in place to step=10.ckpt (global step 10): discarded the updates of steps 10 to 14, skipped batches 10 to 14
+    [2] rewound in place to step=10.ckpt (global step 10)
+        discarded the updates of steps 10 to 14; batches 10 to 14 skipped, not replayed
         ckguard-rewinds.jsonl: {"number": 1, "boundary": "train batch end", "global_step": 15, ...}
     [3] finished at global step 24 with finite weights on every rank
         last.ckpt (finite), step=20.ckpt (finite), step=24.ckpt (finite)
@@ -103,9 +104,9 @@ def main() -> None:
     say(f"[1] rank 1 sees a NaN at step {rewind.first_step}; the boundary at step {rewind.global_step} is rejected "
         f"on every rank")
     assert rewind.discarded_steps is not None and rewind.skipped_batches is not None
-    say(f"[2] rewound in place to {os.path.basename(rewind.checkpoint)} (global step {rewind.checkpoint_global_step})"
-        f": discarded the updates of steps {rewind.discarded_steps[0]} to {rewind.discarded_steps[1]}, skipped "
-        f"batches {rewind.skipped_batches[0]} to {rewind.skipped_batches[1]}")
+    say(f"[2] rewound in place to {os.path.basename(rewind.checkpoint)} (global step {rewind.checkpoint_global_step})",
+        f"    discarded the updates of steps {rewind.discarded_steps[0]} to {rewind.discarded_steps[1]}; batches "
+        f"{rewind.skipped_batches[0]} to {rewind.skipped_batches[1]} skipped, not replayed")
     if trainer.is_global_zero:
         with open(os.path.join(dirpath, REWIND_LOG_NAME)) as f:
             line = json.loads(f.readline())
