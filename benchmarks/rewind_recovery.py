@@ -1,6 +1,6 @@
 """Time to recover from a non-finite step, 2-process CPU DDP: rewind in place vs raise and restart from ``last``.
 
-Each round runs three 2-process jobs (Lightning's subprocess launcher, gloo) of the same ~3M-parameter MLP with Adam
+Each round runs three 2-process jobs (Lightning's subprocess launcher, gloo) of the same 2.4M-parameter MLP with Adam
 and a checkpoint every 10 steps (top 2 plus ``last``); a NaN reaches rank 1 only at step 25, so the boundary at step
 30 is rejected:
 
