@@ -9,14 +9,15 @@ all-reduce, so rank 0 never sees it and rank 1's weights take the NaN step: the 
    scheduler), publishes nothing for the rejected boundary, and goes on with the next batch: the batches of steps 10
    to 14 are skipped, not replayed. ``trainer.global_step`` goes on counting (15, 16, ...). Rank 0 warns, and appends
    one JSON line to ``ckguard-rewinds.jsonl`` next to the checkpoints.
-3. The fit reaches ``max_steps`` in the same processes, without a restart, and every checkpoint on disk is finite::
+3. The fit reaches ``max_steps`` in the same processes, without a restart, and every checkpoint on disk is finite
+   (``last`` is step 24's; the rejected step 15 was never written, so the top 2 are steps 10 and 20)::
 
     [1] rank 1 sees a NaN at step 11; the boundary at step 15 is rejected on every rank
     [2] rewound in place to step=10.ckpt (global step 10)
         discarded the updates of steps 10 to 14; batches 10 to 14 skipped, not replayed
         ckguard-rewinds.jsonl: {"number": 1, "boundary": "train batch end", "global_step": 15, ...}
     [3] finished at global step 24 with finite weights on every rank
-        last.ckpt (finite), step=20.ckpt (finite), step=24.ckpt (finite)
+        last.ckpt (finite), step=10.ckpt (finite), step=20.ckpt (finite)
 """
 
 from __future__ import annotations

@@ -143,4 +143,5 @@ def test_rewind_demo_recovers_in_place_and_finishes_finite(tmp_path):
     assert "[1] rank 1 sees a NaN at step 11" in text, text
     assert "[2] rewound in place to step=10.ckpt (global step 10)" in text, text
     assert "[3] finished at global step 24 with finite weights on every rank" in text, text
+    assert lines[-1] == "    last.ckpt (finite), step=10.ckpt (finite), step=20.ckpt (finite)", lines[-1]
     assert "NaN" not in lines[-1], lines[-1]
