@@ -61,7 +61,8 @@ class Rewind:
         discarded_steps: First and last global step whose optimizer update was thrown away (``None`` if none).
         skipped_batches: First and last batch (counted over the fit, from 0) that trained since the checkpoint or
             the previous rewind and is not replayed (``None`` if none).
-        epochs: The epochs those batches belong to, first and last.
+        epochs: ``trainer.current_epoch`` where the skipped range starts (at the checkpoint's boundary or the
+            previous rewind: the first skipped batch may belong to the epoch after it) and at the rejected boundary.
         ranks, first_step, last_step, num_steps, parameters, skipped_steps: The rejection's report (see
             :class:`~lightning_ckguard.report.BoundaryReport`).
     """

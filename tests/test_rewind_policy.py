@@ -127,6 +127,28 @@ def test_a_rewind_restores_the_file_and_the_loop_goes_on(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [REWIND_LOG_NAME, "last.ckpt", "step=12.ckpt", "step=14.ckpt"]
 
 
+def test_a_rejected_top_k_boundary_rewinds_and_the_top_k_goes_on(tmp_path):
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, filename="{epoch}",
+                                    on_non_finite="rewind", count_skipped_steps=True)  # the scaler skips the step
+    probe = AfterRewind()
+    precision = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer = Trainer(max_epochs=4, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0,
+                      callbacks=[probe, callback], plugins=[precision], **QUIET)
+    model = AdamModel(fault_steps=(3,), sanitize=False, val_losses=[10.0, 9.0, 8.0, 7.0], lr=0.01)
+    # epoch 1's boundary (after its validation, at train epoch end, global step 4) saw step 3's NaN: back to epoch 0's
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(model)
+    (rewind,) = callback.rewinds
+    assert (rewind.boundary, rewind.global_step, os.path.basename(rewind.checkpoint)) == ("train epoch end", 4,
+                                                                                          "epoch=0.ckpt")
+    assert rewind.skipped_batches == (2, 3) and rewind.discarded_steps == (2, 3)
+    assert probe.checks[0]["weights"] and probe.checks[0]["optimizer"] and probe.checks[0]["scaler"]
+    assert trainer.global_step == 8
+    assert sorted(os.path.basename(p) for p in callback.best_k_models) == ["epoch=2.ckpt", "epoch=3.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == [REWIND_LOG_NAME, "epoch=2.ckpt", "epoch=3.ckpt"]
+
+
 def test_max_rewinds_zero_raises_at_the_first_rejection_and_seals(tmp_path):
     trainer, callback, _, model = _fit(tmp_path, fault_steps=(3,), max_rewinds=0)
     with pytest.raises(RewindRefusedError, match="`max_rewinds=0` rewinds were made in this fit already"):
