@@ -1,4 +1,4 @@
-"""``on_non_finite="rewind"`` on two real CPU processes: DDP, DDP + ZeRO-1, DeepSpeed ZeRO-2 and ZeRO-3, FSDP2.
+"""``on_non_finite="rewind"`` on two real CPU processes: DDP, DDP + ZeRO-1, DeepSpeed ZeRO-1/2/3, FSDP2.
 
 A NaN reaches rank 1 only, at steps 3, 7 and 11 (a checkpoint every 2 steps, top 2 by step plus ``last``); each
 following boundary is rejected and every rank goes back, in place, to the checkpoint published 2 steps earlier. Right
@@ -19,7 +19,7 @@ from conftest import TESTS, deepspeed_missing, read_rank_results, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-DEEPSPEED_KINDS = ["ds2", "ds3"]
+DEEPSPEED_KINDS = ["ds1", "ds2", "ds3"]
 DEEPSPEED_PARAMETERS = DEEPSPEED_KINDS  # their items are marked `deepspeed` (conftest)
 KINDS = ["ddp", "zero1", *DEEPSPEED_KINDS, "fsdp2"]
 DEMO = os.path.join(os.path.dirname(TESTS), "examples", "rewind_demo.py")

@@ -2,7 +2,7 @@
 
     python rewind_scenarios.py KIND OUT_DIR [SCENARIO ...]
 
-``KIND`` is ``ddp``, ``zero1`` (DDP + ``ZeroRedundancyOptimizer``), ``ds2``, ``ds3`` (DeepSpeed through
+``KIND`` is ``ddp``, ``zero1`` (DDP + ``ZeroRedundancyOptimizer``), ``ds1``, ``ds2``, ``ds3`` (DeepSpeed through
 ``tests/deepspeed_shim.py``) or ``fsdp2``. A NaN reaches rank 1 only, at chosen steps: after DDP's all-reduce
 (``FaultyModel``), or in rank 1's local gradient contribution before the reduction, so it lands in rank 1's
 partition or shard (``ShardedFaultModel``). The optimizer is Adam with a per-step ``StepLR``, so optimizer and
@@ -45,7 +45,7 @@ from lightning_ckguard.rewind import REWIND_LOG_NAME  # noqa: E402
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 TIMEOUT = timedelta(seconds=60)
-SHARDED = ("ds2", "ds3", "fsdp2")
+SHARDED = ("ds1", "ds2", "ds3", "fsdp2")
 
 
 def _optimizers(module: Any, zero1: bool) -> Any:
@@ -121,8 +121,9 @@ def run(root: str, name: str, kind: str, fault_steps: tuple[int, ...], max_steps
     if kind in SHARDED:
         precision = "32-true" if kind == "fsdp2" else "bf16-mixed"
         model: Any = ShardedRewindModel(fault_steps=fault_steps, fsdp2=kind == "fsdp2")
-        strategy = make_strategy({"ds2": "ds2", "ds3": "ds3", "fsdp2": "fsdp2"}[kind], timeout=TIMEOUT,
-                                 precision=precision, check_grad_overflow=False if kind == "ds2" else None)
+        # ZeRO-1/2 with bf16's overflow check off apply the NaN step; ZeRO-3 skips it whatever the check says
+        strategy = make_strategy(kind, timeout=TIMEOUT, precision=precision,
+                                 check_grad_overflow=False if kind in ("ds1", "ds2") else None)
     else:
         precision = "32-true"
         model = DDPRewindModel(fault_steps=fault_steps, fault_ranks=(1,), sanitize=False, zero1=kind == "zero1",
