@@ -6,8 +6,9 @@ records every optimizer step with ``guard.record(optimizer)`` (device-side: no h
 (each rank also checks its own part of ``state``). At ``--fault-step`` a NaN is written into one gradient element on
 rank 1 only, after DDP's all-reduce, so rank 0 never sees it.
 
-The save after the fault is rejected on both ranks with the same verdict; nothing is written for it. Both ranks roll
-back to the last good checkpoint and train on, and the next saves are finite again::
+The save after the fault is rejected on both ranks with the same verdict; nothing is written for it. Both ranks rewind
+in place to the last good checkpoint (``restore_fabric_state``: ``fabric.load`` of the model and optimizer, and a fresh
+window of the guard) and train on, and the next saves are finite again::
 
     step 4: accepted, wrote step=4.ckpt
     step 8: rejected on every rank: NonFiniteGradientError(ranks=(1,), steps 7-7, parameters=['2.weight'])
@@ -32,7 +33,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 
-from lightning_ckguard import GradientGuard, Verdict
+from lightning_ckguard import GradientGuard, Verdict, restore_fabric_state
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,9 +109,9 @@ def train(fabric: Fabric, steps: int, fault_step: int, every: int, out: str) -> 
             lines = describe(verdict)
             if last_good is None:
                 raise verdict.to_error()
-            # the weights on rank 1 took the NaN step: every rank goes back to the last published state
-            fabric.load(os.path.join(out, last_good), {"model": model, "optimizer": optimizer})
-            guard.reset()
+            # the weights on rank 1 took the NaN step: every rank rewinds, in place and together, to the last
+            # published state (through fabric.load: sharded strategies restore their own shards), with a fresh window
+            restore_fabric_state(fabric, os.path.join(out, last_good), {"model": model, "optimizer": optimizer}, guard)
             event["rolled_back_to"] = last_good
             fabric.print(f"step {step + 1}: {lines[0]}\n        {lines[1]}\n        nothing written; "
                          f"rolled back to {last_good}")

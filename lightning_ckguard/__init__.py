@@ -7,14 +7,18 @@ Public API:
 - :class:`CheckpointWriteError`: raised on the other ranks when one rank failed to write an accepted checkpoint.
 - :class:`BoundaryReport`: what the last boundary decided, readable (``FiniteGradCheckpoint.last_report``).
 - :class:`GradientGuard` and :class:`Verdict`: the recording and agreement core, usable without a Trainer.
+- :class:`RewindRefusedError`, :class:`Rewind`: ``on_non_finite="rewind"``'s refusal (a ``NonFiniteGradientError``)
+  and its record of one rewind; :func:`restore_fabric_state` rewinds a Fabric loop, :func:`restore_trainer_state`
+  restores a Trainer's training state in place.
 - :func:`scaler_skip_flag`: whether a ``GradScaler`` will skip the coming step, as a device tensor.
 """
 
 from lightning_ckguard.agreement import RankReport, Verdict
 from lightning_ckguard.callback import FiniteGradCheckpoint
-from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.report import BoundaryReport
+from lightning_ckguard.rewind import Rewind, restore_fabric_state, restore_trainer_state
 from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.sources import GradientSource, ParameterGradients
 
@@ -29,6 +33,10 @@ __all__ = [
     "NonFiniteGradientError",
     "ParameterGradients",
     "RankReport",
+    "Rewind",
+    "RewindRefusedError",
     "Verdict",
+    "restore_fabric_state",
+    "restore_trainer_state",
     "scaler_skip_flag",
 ]

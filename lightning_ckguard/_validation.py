@@ -8,7 +8,7 @@ import tempfile
 from datetime import timedelta
 from typing import Any
 
-POLICIES = ("raise", "skip", "stop")
+POLICIES = ("raise", "skip", "stop", "rewind")
 
 
 def _describe(value: Any) -> str:
@@ -31,6 +31,7 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
     policy = arguments["on_non_finite"]
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"`on_non_finite` must be one of {', '.join(map(repr, POLICIES))}, got {_describe(policy)}.")
+    _check_rewind_arguments(arguments)
     for flag in ("count_skipped_steps", "verbose", "save_on_exception", "save_weights_only", "auto_insert_metric_name",
                  "enable_version_counter"):
         _check_type(flag, arguments[flag], (bool,), "a bool")
@@ -50,6 +51,24 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         _check_type(count, arguments[count], (int,), "an int or None", True)
     _check_type("train_time_interval", arguments["train_time_interval"], (timedelta,), "a datetime.timedelta or None",
                 True)
+
+
+def _check_rewind_arguments(arguments: dict[str, Any]) -> None:
+    """``max_rewinds`` belongs to ``on_non_finite="rewind"``, and a rewind needs the optimizer state in the file."""
+    policy, max_rewinds = arguments["on_non_finite"], arguments["max_rewinds"]
+    if max_rewinds is not None and policy != "rewind":
+        raise ValueError(
+            f"`max_rewinds` is only used with `on_non_finite='rewind'`, but `on_non_finite={policy!r}`: "
+            "drop `max_rewinds` or choose the 'rewind' policy."
+        )
+    _check_type("max_rewinds", max_rewinds, (int,), "an int >= 0 or None", True)
+    if max_rewinds is not None and max_rewinds < 0:
+        raise ValueError(f"`max_rewinds` must be an int >= 0 or None, got {_describe(max_rewinds)}.")
+    if policy == "rewind" and arguments["save_weights_only"] is True:
+        raise ValueError(
+            "`on_non_finite='rewind'` restores the optimizer state from the last published checkpoint, but "
+            "`save_weights_only=True` leaves it out of the files: use `save_weights_only=False` to rewind."
+        )
 
 
 def unwritable_dirpath_error(dirpath: str, rank: int, global_step: int) -> PermissionError | None:

@@ -39,6 +39,7 @@ from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.ledger import Ledger
 from lightning_ckguard.publication import BoundaryTransaction, active_transaction, run_boundary
 from lightning_ckguard.report import BoundaryReport
+from lightning_ckguard.rewind import DEFAULT_MAX_REWINDS, Position, Rewind, RewindLog
 from lightning_ckguard.seal import PublicationSeal, agree_on_write
 from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.source_selection import gradient_source_for
@@ -56,7 +57,7 @@ from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_d
 
 log = logging.getLogger(__name__)
 
-NonFinitePolicy = Literal["raise", "skip", "stop"]
+NonFinitePolicy = Literal["raise", "skip", "stop", "rewind"]
 
 _warnings = WarningCache()
 
@@ -91,7 +92,7 @@ def _package_of(module: str) -> str | None:
 
 #: Attributes that only mean something while a fit runs (a Trainer, a module's gradient source, this boundary's vote):
 #: not part of the callback's value, so a pickled or deep-copied callback leaves them out.
-_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote")
+_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote", "_rewind_log")
 
 
 if TYPE_CHECKING:
@@ -118,11 +119,19 @@ class GuardedCheckpoint(_CheckpointBase):
             ``"raise"``: raise :class:`~lightning_ckguard.NonFiniteGradientError` (the same on every rank).
             ``"skip"``: publish nothing for this boundary, warn, and start a fresh window.
             ``"stop"``: publish nothing, set ``trainer.should_stop``; ``fit()`` returns normally.
+            ``"rewind"``: publish nothing; every rank restores, in place, the most recent checkpoint this callback
+            published in this fit (weights, optimizer, LR schedulers, loss scaler, weight averaging), starts a fresh
+            window and trains on with the next batch (see :mod:`lightning_ckguard.rewind`). Without such a
+            checkpoint, or after ``max_rewinds`` rewinds, it raises :class:`~lightning_ckguard.RewindRefusedError`
+            (a ``NonFiniteGradientError``) on every rank, naming every earlier rewind.
         count_skipped_steps: Whether optimizer steps a loss scaler skipped (never applied) reject a boundary. They
             are reported either way.
+        max_rewinds: With ``on_non_finite="rewind"``: how many rewinds one fit may make (default 3); a resumed fit
+            counts from zero. Only valid with that policy.
 
     Raises:
-        ValueError: If an argument has the wrong type or ``on_non_finite`` is not a known policy.
+        ValueError: If an argument has the wrong type, ``on_non_finite`` is not a known policy, ``max_rewinds`` is
+            negative or given with another policy, or ``"rewind"`` is asked for with ``save_weights_only=True``.
 
     Example::
 
@@ -161,6 +170,7 @@ class GuardedCheckpoint(_CheckpointBase):
         *,
         on_non_finite: NonFinitePolicy = "raise",
         count_skipped_steps: bool = False,
+        max_rewinds: int | None = None,
     ) -> None:
         validate_arguments(dict(locals()))
         super().__init__(
@@ -182,6 +192,8 @@ class GuardedCheckpoint(_CheckpointBase):
         )
         self.on_non_finite: NonFinitePolicy = on_non_finite
         self.count_skipped_steps = count_skipped_steps
+        self.max_rewinds = max_rewinds
+        self._rewind_log: RewindLog | None = None  # this fit's rewinds, with on_non_finite="rewind"
         self._guard: GradientGuard | None = None
         self._rejection: NonFiniteGradientError | None = None
         self._trainer: pl.Trainer | None = None
@@ -200,6 +212,11 @@ class GuardedCheckpoint(_CheckpointBase):
         """What the most recent agreement (boundary or manual save) decided, as a readable immutable value; the
         same on every rank. ``str(report.message)`` is the line the callback warns with."""
         return self._last_report
+
+    @property
+    def rewinds(self) -> tuple[Rewind, ...]:
+        """The rewinds of the current (or most recent) fit, oldest first; the same on every rank."""
+        return tuple(self._rewind_log.rewinds) if self._rewind_log is not None else ()
 
     @property
     def last_verdict(self) -> Verdict | None:
@@ -247,6 +264,10 @@ class GuardedCheckpoint(_CheckpointBase):
         # after the strategy wrapped the model and built the optimizers, so parameter identities are final
         source = gradient_source_for(trainer.strategy, pl_module)
         self._guard = self._new_guard(trainer, source)
+        if self.on_non_finite == "rewind":  # every fit counts its rewinds from zero, resumed or not
+            limit = DEFAULT_MAX_REWINDS if self.max_rewinds is None else self.max_rewinds
+            log_dir = str(self.dirpath) if self.dirpath is not None and is_local(self._fs) else None
+            self._rewind_log = RewindLog(limit, log_dir, Position.of(trainer))
         if self._rejection is not None:
             resumed = trainer.ckpt_path is not None
             rank_zero_info(
@@ -311,6 +332,7 @@ class GuardedCheckpoint(_CheckpointBase):
     ) -> None:
         if self._rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
+        top_k_before = set(self.best_k_models)
         try:
             outcome = run_boundary(
                 self,
@@ -326,6 +348,8 @@ class GuardedCheckpoint(_CheckpointBase):
             assert self._guard is not None
             log.debug("FiniteGradCheckpoint published at %s, global step %d", name, trainer.global_step)
             self._guard.reset()
+            if self._rewind_log is not None:
+                self._note_published(trainer, top_k_before)
 
     def _agree(self, trainer: pl.Trainer, boundary: str) -> Verdict:
         if self._guard is None:  # not fitting: nothing was recorded, but every rank still meets here
@@ -366,12 +390,41 @@ class GuardedCheckpoint(_CheckpointBase):
             self._guard.reset(pending_rejection=True)
             rank_zero_warn(f"{report.message} Skipped; training continues with a fresh window.")
             return
+        if self.on_non_finite == "rewind" and self._rewind_log is not None:
+            self._rewind(trainer, report, self._rewind_log)
+            return
         self._rejection = error
         if self.on_non_finite == "stop":
             trainer.should_stop = True
             rank_zero_warn(f"{report.message} Stopping training.")
             return
         raise error
+
+    def _note_published(self, trainer: pl.Trainer, top_k_before: set[str]) -> None:
+        """Remember what a rewind would go back to: the top-K file this boundary wrote (a name no later boundary
+        rewrites with other weights), else the file it wrote last (``last``, which holds the same state)."""
+        assert self._rewind_log is not None
+        written = [path for path in self.best_k_models if path not in top_k_before]
+        path = written[-1] if written else self._last_checkpoint_saved
+        if path:
+            self._rewind_log.note_published(path, Position.of(trainer))
+
+    def _rewind(self, trainer: pl.Trainer, report: BoundaryReport, rewind_log: RewindLog) -> None:
+        """Every rank restores the last published checkpoint together (the verdict decided, the same everywhere)."""
+        assert self._guard is not None
+        try:
+            rewind = rewind_log.rewind(trainer, report, exists=self._fs.exists)
+        except NonFiniteGradientError as refused:  # no checkpoint, max_rewinds reached, or the restore failed
+            self._rejection = refused  # sealed: the weights are the rejected ones
+            raise
+        self._guard.reset()  # the restored weights are the accepted ones: the next window starts clean
+        rank_zero_warn(
+            f"{report.message} Rewound in place (rewind {rewind.number} of at most {rewind_log.max_rewinds} in this "
+            f"fit): {rewind.describe()}; training goes on with the next batch, at global step {rewind.global_step}."
+            + (f" Logged to {rewind_log.log_path}." if rewind_log.log_path else "")
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics({"ckguard/rewinds": float(rewind.number)}, step=trainer.global_step)
 
     # ------------------------------------------------------------------ writes outside our boundaries
 

@@ -167,6 +167,47 @@ def _rebuild_error(fields: dict[str, Any]) -> NonFiniteGradientError:
     return NonFiniteGradientError(**fields)
 
 
+class RewindRefusedError(NonFiniteGradientError):
+    """The ``NonFiniteGradientError`` of a rejected boundary that ``on_non_finite="rewind"`` could not rewind from.
+
+    Raised on every rank, with the same fields, when no checkpoint was published in this fit to go back to, when
+    ``max_rewinds`` rewinds were already made in this fit, or when restoring the checkpoint failed on some rank. The
+    rejection's own fields are those of :class:`NonFiniteGradientError`; nothing was published for the boundary.
+
+    Attributes:
+        reason: Why there was no rewind, in words.
+        rewinds: Every earlier rewind of this fit, one line each, oldest first.
+    """
+
+    def __init__(self, *, reason: str, rewinds: Sequence[str] = (), **fields: Any) -> None:
+        self.reason = reason
+        self.rewinds: tuple[str, ...] = tuple(rewinds)
+        super().__init__(**fields)
+
+    def _message(self) -> str:
+        rejection = NonFiniteGradientError.fields(self)
+        del rejection["pending_rejection"]
+        text = f"{rejection_text(**rejection)} No rewind: {self.reason}."
+        if not self.rewinds:
+            return text + " There was no earlier rewind in this fit."
+        return text + " Earlier rewinds in this fit: " + " ".join(
+            f"({number}) {line}" for number, line in enumerate(self.rewinds, start=1)
+        )
+
+    def fields(self) -> dict[str, Any]:
+        return {**super().fields(), "reason": self.reason, "rewinds": list(self.rewinds)}
+
+    def _key(self) -> tuple[Any, ...]:
+        return (*super()._key(), self.reason, self.rewinds)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_refused, (self.fields(),))
+
+
+def _rebuild_refused(fields: dict[str, Any]) -> RewindRefusedError:
+    return RewindRefusedError(**fields)
+
+
 class CheckpointWriteError(_ComparedByValue, RuntimeError):
     """Raised on the ranks whose own write succeeded when another rank failed to write a checkpoint.
 
@@ -200,4 +241,4 @@ def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None)
     return CheckpointWriteError(ranks=ranks, filepath=filepath, cause=cause)
 
 
-__all__ = ["CheckpointWriteError", "NonFiniteGradientError", "rejection_text"]
+__all__ = ["CheckpointWriteError", "NonFiniteGradientError", "RewindRefusedError", "rejection_text"]

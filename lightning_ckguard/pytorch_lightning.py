@@ -19,7 +19,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_ckguard.agreement import RankReport, Verdict
 from lightning_ckguard.callback import GuardedCheckpoint, LightningPackage, link_in_boundary
-from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.report import BoundaryReport
 
@@ -40,5 +40,6 @@ __all__ = [
     "GradientGuard",
     "NonFiniteGradientError",
     "RankReport",
+    "RewindRefusedError",
     "Verdict",
 ]

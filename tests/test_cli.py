@@ -128,7 +128,7 @@ def test_every_argument_is_typed_and_reaches_the_callback(tmp_path, monkeypatch)
 @pytest.mark.parametrize(
     ("argument", "value", "expected"),
     [
-        ("on_non_finite", "explode", "Literal['raise', 'skip', 'stop']"),
+        ("on_non_finite", "explode", "Literal['raise', 'skip', 'stop', 'rewind']"),
         ("count_skipped_steps", "maybe", "Expected a <class 'bool'>"),
         ("save_last", "sometimes", "Literal['link']"),
         ("save_top_k", "three", "Expected a <class 'int'>"),

@@ -1,0 +1,267 @@
+"""Rewind: recover from a rejected boundary in place, on every rank, from the last checkpoint published in this fit.
+
+``FiniteGradCheckpoint(on_non_finite="rewind")`` keeps a :class:`RewindLog` per fit. It notes every checkpoint the
+callback publishes (accepted and written); at a rejected boundary every rank restores, together and in place, the
+most recent one through the strategy's own load path (:func:`restore_trainer_state`), so DDP, DDP +
+``ZeroRedundancyOptimizer``, DeepSpeed ZeRO 1/2/3 and FSDP2 each restore their own shards. The decision to rewind is
+the verdict, identical on every rank, and everything this module decides from (the published path, the history) is
+the same on every rank: no rank decides alone.
+
+What is restored: the model weights, the optimizer state (including its step counts), the LR schedulers (including
+their step counts), the precision plugin's state (the loss scaler) and the state of weight-averaging callbacks
+(``WeightAveraging``, ``EMAWeightAveraging``). What goes on: the loop progress (``trainer.global_step``, the epoch and
+batch counters), the data loader, every other callback. The batches since the checkpoint are skipped, not replayed.
+
+Fabric users restore from a path they choose with :func:`restore_fabric_state`, without a Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_ckguard._distributed import broadcast_value, gather_ints
+from lightning_ckguard.errors import RewindRefusedError
+from lightning_ckguard.report import BoundaryReport
+
+#: The file, next to the checkpoints, that gets one JSON line per rewind (written by rank 0).
+REWIND_LOG_NAME = "ckguard-rewinds.jsonl"
+
+#: How many rewinds one fit may make when ``on_non_finite="rewind"`` is given without ``max_rewinds``.
+DEFAULT_MAX_REWINDS = 3
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training stands: ``trainer.global_step``, the last batch done (counted over the fit, from 0, as
+    Lightning's ``fit_loop.total_batch_idx``; -1 before the first) and the epoch."""
+
+    global_step: int
+    batch: int
+    epoch: int
+
+    @classmethod
+    def of(cls, trainer: Any) -> Position:
+        return cls(int(trainer.global_step), int(trainer.fit_loop.total_batch_idx), int(trainer.current_epoch))
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """One rewind, as a value; the same on every rank. ``as_dict()`` is the JSON line of the rewind log.
+
+    Attributes:
+        number: 1 for the first rewind of the fit.
+        boundary: The rejected boundary, e.g. ``"train batch end"``.
+        global_step: ``trainer.global_step`` at the rejected boundary; it goes on from here.
+        checkpoint: The checkpoint restored (the most recent one this callback published in this fit).
+        checkpoint_global_step: The ``global_step`` at which that checkpoint was published.
+        discarded_steps: First and last global step whose optimizer update was thrown away (``None`` if none).
+        skipped_batches: First and last batch (counted over the fit, from 0) that trained since the checkpoint or
+            the previous rewind and is not replayed (``None`` if none).
+        epochs: ``trainer.current_epoch`` where the skipped range starts (at the checkpoint's boundary or the
+            previous rewind: the first skipped batch may belong to the epoch after it) and at the rejected boundary.
+        ranks, first_step, last_step, num_steps, parameters, skipped_steps: The rejection's report (see
+            :class:`~lightning_ckguard.report.BoundaryReport`).
+    """
+
+    number: int
+    boundary: str
+    global_step: int
+    checkpoint: str
+    checkpoint_global_step: int
+    discarded_steps: tuple[int, int] | None
+    skipped_batches: tuple[int, int] | None
+    epochs: tuple[int, int]
+    ranks: tuple[int, ...]
+    first_step: int
+    last_step: int
+    num_steps: int
+    parameters: tuple[str, ...]
+    skipped_steps: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values."""
+        values = asdict(self)
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}
+
+    def describe(self) -> str:
+        """One line for a person: where it went back to and what it skipped."""
+        steps = ("no optimizer step" if self.discarded_steps is None
+                 else f"the updates of global steps {self.discarded_steps[0]} to {self.discarded_steps[1]}")
+        batches = ("no batch" if self.skipped_batches is None
+                   else f"batches {self.skipped_batches[0]} to {self.skipped_batches[1]} of the fit (epoch "
+                        + (f"{self.epochs[0]}" if self.epochs[0] == self.epochs[1] else
+                           f"{self.epochs[0]} to {self.epochs[1]}") + ")")
+        ranks = ", ".join(map(str, self.ranks)) or "none"
+        parameters = ", ".join(self.parameters) or "not attributable"
+        return (
+            f"rewind {self.number} at global step {self.global_step} ({self.boundary}; non-finite on rank(s) {ranks}, "
+            f"steps {self.first_step} to {self.last_step}, parameters: {parameters}) went back to "
+            f"{self.checkpoint} (published at global step {self.checkpoint_global_step}), discarding {steps} and "
+            f"skipping {batches}"
+        )
+
+
+class RewindLog:
+    """The rewinds of one fit and the checkpoint to go back to. Every rank keeps an identical one.
+
+    Args:
+        max_rewinds: Rewinds allowed in this fit; the rejection after the last one raises.
+        log_dir: Where the JSON lines go (the checkpoint directory); ``None`` writes none.
+        start: Where the fit starts (the first window begins here).
+    """
+
+    def __init__(self, max_rewinds: int, log_dir: str | None, start: Position) -> None:
+        self.max_rewinds = max_rewinds
+        self.log_dir = log_dir
+        self.rewinds: list[Rewind] = []
+        self.published: tuple[str, Position] | None = None
+        self._window_start = start
+
+    def note_published(self, path: str, at: Position) -> None:
+        """A checkpoint this callback published (accepted and written) at ``at``: the next rewind goes back to it."""
+        self.published = (path, at)
+        self._window_start = at
+
+    def rewind(self, trainer: Any, report: BoundaryReport, exists: Any = os.path.exists) -> Rewind:
+        """Restore the most recent published checkpoint on every rank, together, and record the rewind.
+
+        ``exists`` says whether a path exists (rank 0's answer counts). Call it on every rank at the same point.
+
+        Raises:
+            RewindRefusedError: On every rank, when there is no checkpoint to go back to, when ``max_rewinds``
+                rewinds were made already, or when restoring failed on some rank (the state may then be half restored).
+        """
+        strategy = trainer.strategy
+        if self.published is None:
+            raise self.refusal(report, "no checkpoint was published in this fit yet, so there is nothing to go back to")
+        path, published_at = self.published
+        if len(self.rewinds) >= self.max_rewinds:
+            raise self.refusal(report, f"`max_rewinds={self.max_rewinds}` rewinds were made in this fit already")
+        found = broadcast_value(strategy, bool(exists(path)) if trainer.is_global_zero else None, src=0)
+        if not found:
+            raise self.refusal(report, f"the checkpoint to go back to, {path}, no longer exists")
+        failure: BaseException | None = None
+        try:
+            restore_trainer_state(trainer, path)
+        except Exception as error:  # every rank must hear of it, or the others would train on alone
+            failure = error
+        failed = [rank for rank, (bad,) in enumerate(gather_ints(strategy, [int(failure is not None)])) if bad]
+        if failed:
+            described = f"{type(failure).__name__}: {failure}" if failure is not None else None
+            cause = broadcast_value(strategy, described, src=failed[0])
+            ranks = ", ".join(map(str, failed))
+            raise self.refusal(report, f"restoring {path} failed on rank(s) {ranks}: {cause}") from failure
+        now = Position.of(trainer)
+        start = self._window_start
+        record = Rewind(
+            number=len(self.rewinds) + 1,
+            boundary=report.boundary,
+            global_step=now.global_step,
+            checkpoint=path,
+            checkpoint_global_step=published_at.global_step,
+            discarded_steps=(start.global_step, now.global_step - 1) if now.global_step > start.global_step else None,
+            skipped_batches=(start.batch + 1, now.batch) if now.batch > start.batch else None,
+            epochs=(start.epoch, now.epoch),
+            ranks=report.ranks,
+            first_step=report.first_step,
+            last_step=report.last_step,
+            num_steps=report.num_steps,
+            parameters=report.parameters,
+            skipped_steps=report.skipped_steps,
+        )
+        self.rewinds.append(record)
+        self._window_start = now
+        if trainer.is_global_zero:
+            self._append_line(record)
+        return record
+
+    def refusal(self, report: BoundaryReport, reason: str) -> RewindRefusedError:
+        """The error of a rejected boundary that is not rewound, naming every earlier rewind of this fit."""
+        error = report.to_error()
+        return RewindRefusedError(reason=reason, rewinds=[r.describe() for r in self.rewinds], **error.fields())
+
+    @property
+    def log_path(self) -> str | None:
+        """The rewind log file, or ``None`` when there is no checkpoint directory."""
+        return None if self.log_dir is None else os.path.join(self.log_dir, REWIND_LOG_NAME)
+
+    def _append_line(self, record: Rewind) -> None:
+        path = self.log_path
+        if path is None:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as f:  # one line per rewind: appended lines of earlier fits stay
+            f.write(json.dumps(record.as_dict()) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _weight_averaging_callbacks(trainer: Any) -> list[Any]:
+    # by class name, so either Lightning package's (and a version without them) needs no import here
+    return [c for c in trainer.callbacks if any(k.__name__ == "WeightAveraging" for k in type(c).__mro__)]
+
+
+def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
+    """Restore, in place and on every rank, the training state of the checkpoint at ``path``: the model weights, the
+    optimizer state, the LR schedulers, the precision plugin's state and weight-averaging callbacks' state, in the
+    order Lightning restores them from ``ckpt_path``. The loop progress is not restored: ``trainer.global_step`` goes
+    on. Returns the loaded checkpoint (what the strategy's load path returned).
+
+    Every rank must call it at the same point: the strategy's load path may hold collectives (DeepSpeed's engine
+    loads its partitions from the directory; FSDP2 reads its shards of a distributed checkpoint).
+    """
+    strategy = trainer.strategy
+    module = trainer.lightning_module
+    # DeepSpeed and ModelParallel load weights and optimizer shards right here, and return the rest
+    checkpoint: dict[str, Any] = strategy.load_checkpoint(path)
+    module.on_load_checkpoint(checkpoint)
+    strategy.load_model_state_dict(checkpoint, strict=module.strict_loading)
+    callback_states: Mapping[Any, Any] = checkpoint.get("callbacks", {})
+    for callback in _weight_averaging_callbacks(trainer):
+        # after the weights: it puts the live weights back from "current_model_state", as it does on resume
+        callback.on_load_checkpoint(trainer, module, checkpoint)
+        state = callback_states.get(callback.state_key)
+        if state is not None:
+            callback.load_state_dict(state)
+    precision = strategy.precision_plugin
+    precision.on_load_checkpoint(checkpoint)
+    if type(precision).__qualname__ in checkpoint:
+        precision.load_state_dict(checkpoint[type(precision).__qualname__])
+    if strategy.lightning_restore_optimizer:  # False where the strategy loaded them itself
+        strategy.load_optimizer_state_dict(checkpoint)
+    # the same fit wrote it: the same schedulers, in the same order
+    for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), strict=True):
+        config.scheduler.load_state_dict(state)
+    return checkpoint
+
+
+def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: Any | None = None,
+                         strict: bool = True) -> dict[str, Any]:
+    """Rewind a Fabric loop: restore ``state`` (your model, optimizer, anything with a ``state_dict``) in place
+    from ``path``, on every rank together, through ``fabric.load`` and so through the strategy's own load path
+    (sharded strategies restore their own shards), then start a fresh window of ``guard``. Returns what the
+    checkpoint held besides ``state``, as ``fabric.load`` does.
+
+    Call it on every rank at the same point, with the same ``path``: after a rejected ``guard.agree(...)``, with the
+    path of the last checkpoint you published. Your own counters (step, epoch, data position) are yours to keep
+    going or to set back.
+    """
+    remainder: dict[str, Any] = fabric.load(path, state, strict=strict)
+    if guard is not None:
+        guard.reset()  # the restored weights are the accepted ones: the next window starts clean
+    return remainder
+
+
+__all__ = [
+    "DEFAULT_MAX_REWINDS",
+    "REWIND_LOG_NAME",
+    "Position",
+    "Rewind",
+    "RewindLog",
+    "restore_fabric_state",
+    "restore_trainer_state",
+]

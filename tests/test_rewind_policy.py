@@ -1,0 +1,185 @@
+"""``on_non_finite="rewind"`` in one process: its arguments, its error, and a rewind a user can observe (weights,
+optimizer, scheduler and the loss scaler as in the file, the loop counters going on, the rewind log), and the
+Trainer-free ``restore_fabric_state``. The 2-process strategies are in ``tests/test_rewind.py``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins import MixedPrecision
+
+from helpers import QUIET, FaultyModel
+from lightning_ckguard import (
+    FiniteGradCheckpoint,
+    GradientGuard,
+    NonFiniteGradientError,
+    RewindRefusedError,
+    restore_fabric_state,
+)
+from lightning_ckguard.rewind import REWIND_LOG_NAME
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(on_non_finite="rewind", max_rewinds=-1), "`max_rewinds` must be an int >= 0"),
+        (dict(on_non_finite="rewind", max_rewinds=1.5), "`max_rewinds` must be an int >= 0"),
+        (dict(on_non_finite="rewind", max_rewinds=True), "`max_rewinds` must be an int >= 0"),
+        (dict(on_non_finite="rewind", max_rewinds="3"), "`max_rewinds` must be an int >= 0"),
+        (dict(max_rewinds=2), "`max_rewinds` is only used with `on_non_finite='rewind'`"),
+        (dict(on_non_finite="skip", max_rewinds=0), "`max_rewinds` is only used with `on_non_finite='rewind'`"),
+        (dict(on_non_finite="rewind", save_weights_only=True), "`save_weights_only=True`"),
+    ],
+)
+def test_bad_rewind_arguments_are_a_value_error_at_construction(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        FiniteGradCheckpoint(**kwargs)
+
+
+def test_valid_rewind_arguments_are_accepted():
+    assert FiniteGradCheckpoint(on_non_finite="rewind").max_rewinds is None  # 3 per fit
+    assert FiniteGradCheckpoint(on_non_finite="rewind", max_rewinds=0).max_rewinds == 0
+
+
+def test_the_refusal_is_a_non_finite_gradient_error_and_a_value():
+    error = RewindRefusedError(reason="no checkpoint", rewinds=["one"], ranks=[1], first_step=3, last_step=3,
+                               num_steps=1, global_step=4, parameters=["w"])
+    assert isinstance(error, NonFiniteGradientError)
+    assert pickle.loads(pickle.dumps(error)) == error == copy.deepcopy(error)
+    assert error.fields()["reason"] == "no checkpoint" and error.fields()["rewinds"] == ["one"]
+    assert str(error).startswith("Refusing to publish a checkpoint at global step 4")
+    assert "No rewind: no checkpoint. Earlier rewinds in this fit: (1) one" in str(error)
+
+
+class AdamModel(FaultyModel):
+    """Adam with a per-step scheduler, so optimizer and scheduler state (and their step counts) must come back."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class AfterRewind(Callback):
+    """At the batch start right after each rewind: the live state against the file it went back to."""
+
+    def __init__(self) -> None:
+        self.checks: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        rewinds = trainer.checkpoint_callback.rewinds
+        if len(rewinds) == len(self.checks):
+            return
+        stored = torch.load(rewinds[-1].checkpoint, weights_only=False)
+        live = pl_module.state_dict()
+        optimizer = trainer.optimizers[0].state_dict()
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        self.checks.append({
+            "global_step": trainer.global_step,
+            "weights": all(torch.equal(live[k], v) for k, v in stored["state_dict"].items()),
+            "optimizer": all(torch.equal(optimizer["state"][i][k], v)
+                             for i, state in stored["optimizer_states"][0]["state"].items() for k, v in state.items()),
+            "adam_step": float(optimizer["state"][0]["step"]),
+            "scheduler": scheduler.state_dict() == stored["lr_schedulers"][0],
+            "scheduler_epoch": scheduler.last_epoch,
+            "scaler": trainer.precision_plugin.scaler.state_dict() == stored["MixedPrecision"],
+        })
+
+
+def _fit(tmp_path, fault_steps, max_rewinds=2, max_steps=14):
+    seed_everything(0)
+    # the scaler skips the inf step (and halves its scale); count_skipped_steps=True makes the skip reject
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=2, monitor="step",
+                                    mode="max", save_last=True, filename="{step}", on_non_finite="rewind",
+                                    max_rewinds=max_rewinds, count_skipped_steps=True)
+    probe = AfterRewind()
+    # fp16 loss scaling on the CPU: the scaler's state comes back too
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer = Trainer(max_steps=max_steps, callbacks=[probe, callback], limit_val_batches=0,
+                      plugins=[MixedPrecision("16-mixed", "cpu", scaler)], **QUIET)
+    model = AdamModel(fault_steps=fault_steps, sanitize=False, value=float("inf"), lr=0.01)
+    return trainer, callback, probe, model
+
+
+def test_a_rewind_restores_the_file_and_the_loop_goes_on(tmp_path):
+    trainer, callback, probe, model = _fit(tmp_path, fault_steps=(3, 7))
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(model)
+    assert trainer.global_step == 14  # counted on, never back
+    assert [c["global_step"] for c in probe.checks] == [4, 8]
+    for check in probe.checks:
+        assert check["weights"] and check["optimizer"] and check["scheduler"] and check["scaler"], check
+    # the optimizer's and the scheduler's step counts are the checkpoint's, not the loop's: step=6.ckpt holds the
+    # 4 updates that survived the first rewind (steps 0, 1, 4, 5), while global_step says 8
+    assert [(c["adam_step"], c["scheduler_epoch"]) for c in probe.checks] == [(2.0, 2), (4.0, 4)]
+    assert [os.path.basename(r.checkpoint) for r in callback.rewinds] == ["step=2.ckpt", "step=6.ckpt"]
+    with open(tmp_path / REWIND_LOG_NAME) as f:
+        assert [json.loads(line) for line in f] == [r.as_dict() for r in callback.rewinds]
+    assert sorted(os.listdir(tmp_path)) == [REWIND_LOG_NAME, "last.ckpt", "step=12.ckpt", "step=14.ckpt"]
+
+
+def test_a_rejected_top_k_boundary_rewinds_and_the_top_k_goes_on(tmp_path):
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, filename="{epoch}",
+                                    on_non_finite="rewind", count_skipped_steps=True)  # the scaler skips the step
+    probe = AfterRewind()
+    precision = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    trainer = Trainer(max_epochs=4, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0,
+                      callbacks=[probe, callback], plugins=[precision], **QUIET)
+    model = AdamModel(fault_steps=(3,), sanitize=False, val_losses=[10.0, 9.0, 8.0, 7.0], lr=0.01)
+    # epoch 1's boundary (after its validation, at train epoch end, global step 4) saw step 3's NaN: back to epoch 0's
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(model)
+    (rewind,) = callback.rewinds
+    assert (rewind.boundary, rewind.global_step, os.path.basename(rewind.checkpoint)) == ("train epoch end", 4,
+                                                                                          "epoch=0.ckpt")
+    assert rewind.skipped_batches == (2, 3) and rewind.discarded_steps == (2, 3)
+    assert probe.checks[0]["weights"] and probe.checks[0]["optimizer"] and probe.checks[0]["scaler"]
+    assert trainer.global_step == 8
+    assert sorted(os.path.basename(p) for p in callback.best_k_models) == ["epoch=2.ckpt", "epoch=3.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == [REWIND_LOG_NAME, "epoch=2.ckpt", "epoch=3.ckpt"]
+
+
+def test_max_rewinds_zero_raises_at_the_first_rejection_and_seals(tmp_path):
+    trainer, callback, _, model = _fit(tmp_path, fault_steps=(3,), max_rewinds=0)
+    with pytest.raises(RewindRefusedError, match="`max_rewinds=0` rewinds were made in this fit already"):
+        trainer.fit(model)
+    assert callback.rejection is not None and callback.rewinds == ()
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt"]
+
+
+def test_restore_fabric_state_rewinds_a_fabric_loop(tmp_path):
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    guard = GradientGuard(model)
+
+    def step(value: float | None = None) -> None:
+        optimizer.zero_grad()
+        fabric.backward(model(torch.ones(3, 4)).sum())
+        if value is not None:
+            model.weight.grad[0, 0] = value
+        guard.record(optimizer)
+        optimizer.step()
+
+    step()
+    path = str(tmp_path / "good.ckpt")
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    step(float("nan"))
+    assert not guard.agree(None).accepted
+    remainder = restore_fabric_state(fabric, path, {"model": model, "optimizer": optimizer}, guard)
+    assert remainder == {"step": 1}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert float(optimizer.state_dict()["state"][0]["step"]) == 1.0
+    assert guard.agree(None).accepted  # a fresh window
