@@ -26,6 +26,9 @@ from s3_server import S3Server, ballast_for_a_refused_upload, environment
 from helpers import QUIET, FaultyModel, ledger_state
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 
+# the `s3` fixture runs the server as a second process: not for the fast lane
+pytestmark = pytest.mark.multiprocess
+
 LOSSES = [3.0, 2.0, 1.0, 0.5]
 EPOCHS = dict(limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
 
