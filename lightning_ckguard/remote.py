@@ -48,7 +48,8 @@ def removal_allowed(fs: Any, previous: str, current: str, dirpath: str | None, r
 
     ``ModelCheckpoint``'s rule on local disk, on any filesystem: never the name being written, never the checkpoint
     the fit resumed from, never anything outside this callback's ``dirpath`` (another run's, or a file the user put
-    elsewhere). The checkpoints it keeps are the ones its ledger tracks in ``dirpath``.
+    elsewhere). What it does remove are the evicted entries of its ledger in ``dirpath``: the files this run wrote,
+    and those of the run it continues there (as ``ModelCheckpoint`` does on local disk).
     """
     previous_path = canonical(fs, previous)
     if previous_path == canonical(fs, current):
