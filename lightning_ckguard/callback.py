@@ -13,6 +13,7 @@ The callback is deliberately thin. Each saving hook of ``ModelCheckpoint`` runs 
 
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from weakref import proxy
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -38,6 +40,13 @@ from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.ledger import Ledger
 from lightning_ckguard.publication import BoundaryTransaction, active_transaction, run_boundary
+from lightning_ckguard.remote import (
+    existed_before_write,
+    exists_on_every_rank,
+    newest_last_checkpoint,
+    removal_allowed,
+    unsupported_strategy_error,
+)
 from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.rewind import DEFAULT_MAX_REWINDS, Position, Rewind, RewindLog
 from lightning_ckguard.seal import PublicationSeal, agree_on_write
@@ -231,6 +240,11 @@ class GuardedCheckpoint(_CheckpointBase):
             # other package would not treat this callback as a ModelCheckpoint (it adds its own), so refuse it
             raise self._wrong_package_error(type(trainer).__module__, type(trainer).__qualname__)
         super().setup(trainer, pl_module, stage)
+        if self.dirpath is not None and not is_local(self._fs):
+            # every rank, before anything is written: such a strategy would write to local disk instead
+            unsupported = unsupported_strategy_error(trainer.strategy, str(self.dirpath))
+            if unsupported is not None:
+                raise unsupported
         self._trainer = trainer
         PublicationSeal.install(trainer, self)
         if trainer.is_global_zero and self.dirpath is not None and is_local(self._fs):
@@ -473,11 +487,22 @@ class GuardedCheckpoint(_CheckpointBase):
             super()._save_checkpoint(trainer, filepath)
             return
         transaction.admit()  # the boundary's first file operation agrees; a rejection unwinds the hook here
-        transaction.note_write(filepath, existed=trainer.is_global_zero and self._fs.exists(filepath))
+        transaction.note_write(filepath, existed=trainer.is_global_zero and self._existed(filepath))
         if self._stages_writes(trainer):
             self._save_staged(trainer, filepath)
         else:
             super()._save_checkpoint(trainer, filepath)
+
+    def _existed(self, filepath: str) -> bool:
+        """Whether ``filepath`` exists before this boundary writes it (rank 0; an object store that cannot say)."""
+        return bool(self._fs.exists(filepath)) if is_local(self._fs) else existed_before_write(self._fs, filepath)
+
+    def file_exists(self, filepath: _PATH, trainer: pl.Trainer) -> bool:
+        """``ModelCheckpoint.file_exists``; on a filesystem that is not local, a look that fails on rank 0 (an object
+        store that stopped answering) raises on every rank instead of leaving the others in the reduction."""
+        if is_local(self._fs):
+            return bool(super().file_exists(filepath, trainer))
+        return exists_on_every_rank(trainer.strategy, self._fs, str(filepath), trainer.is_global_zero)
 
     def _stages_writes(self, trainer: pl.Trainer) -> bool:
         """Whether a checkpoint is written beside its name and renamed into place: on a local filesystem, for the
@@ -610,11 +635,30 @@ class GuardedCheckpoint(_CheckpointBase):
         # without a `dirpath` argument the directory comes from the logger, as ModelCheckpoint resolves it
         resolve_dirpath = self._ModelCheckpoint__resolve_ckpt_dir  # type: ignore[attr-defined]
         dirpath = self.dirpath if self.dirpath is not None else resolve_dirpath(trainer)
-        if is_local(self._fs):
-            actions = recover(str(dirpath))
-            if actions:  # whichever rank got there first did it: that rank says so
-                warnings.warn(f"FiniteGradCheckpoint (rank {trainer.global_rank}) {'; '.join(actions)}.", stacklevel=2)
+        fs = get_filesystem(dirpath)  # the directory's own: `_fs` is the local one until `setup` without a dirpath
+        if not is_local(fs):
+            # ModelCheckpoint would list protocol-less paths, which Lightning then looks up on the local disk
+            return newest_last_checkpoint(fs, str(dirpath), self._is_last_name)
+        actions = recover(str(dirpath))
+        if actions:  # whichever rank got there first did it: that rank says so
+            warnings.warn(f"FiniteGradCheckpoint (rank {trainer.global_rank}) {'; '.join(actions)}.", stacklevel=2)
         return super()._find_last_checkpoints(trainer)
+
+    def _is_last_name(self, name: str) -> bool:
+        """Whether a file name is one ``ModelCheckpoint`` gives a ``last`` checkpoint (``last.ckpt``, ``last-v1.ckpt``),
+        by the test ``ModelCheckpoint._find_last_checkpoints`` applies."""
+        stem, suffix = os.path.splitext(name)
+        return suffix == self.FILE_EXTENSION and re.match(rf"^{self.CHECKPOINT_NAME_LAST}(-(\d+))?", stem) is not None
+
+    def _should_remove_checkpoint(self, trainer: pl.Trainer, previous: str, current: str) -> bool:
+        """``ModelCheckpoint``'s rule, and on a filesystem that is not local the rule it applies on local disk: never
+        the checkpoint the fit resumed from, nor one outside ``dirpath`` (``ModelCheckpoint`` would remove any path
+        there, Lightning issue #21813)."""
+        if is_local(self._fs):
+            return bool(super()._should_remove_checkpoint(trainer, previous, current))
+        dirpath = str(self.dirpath) if self.dirpath is not None else None
+        resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path is not None else None
+        return removal_allowed(self._fs, previous, current, dirpath, resumed_from)
 
     def _drop_missing_checkpoints(self) -> None:
         """Forget ledger entries whose checkpoint is gone (deleted by hand, lost in a crash) or visibly cut off

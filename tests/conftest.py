@@ -114,3 +114,20 @@ def _require_multiprocess_marker(script: str) -> None:
     if _running_test is not None and _running_test.get_closest_marker("multiprocess") is None:
         pytest.fail(f"{_running_test.nodeid} launches {script} but is not marked `multiprocess`: mark it "
                     "(`pytestmark = pytest.mark.multiprocess`), so that the fast lane starts no processes")
+
+
+@pytest.fixture(scope="session")
+def s3() -> Any:
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1, for the whole session; ``os.environ`` points
+    fsspec/s3fs at it (``FSSPEC_S3_ENDPOINT_URL``, fake credentials), and so do the workers a test launches."""
+    from s3_server import S3Server, environment, missing
+
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    server = S3Server(free_port())
+    try:
+        with environment(server.env()):
+            yield server
+    finally:
+        server.stop()

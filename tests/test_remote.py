@@ -1,0 +1,76 @@
+"""A ``dirpath`` on a non-local fsspec filesystem, without a server: fsspec's in-memory filesystem (``memory://``) is
+not the local one, so ``ModelCheckpoint`` treats it as it treats S3. ``ckpt_path="last"`` resumes there, the
+checkpoint a fit resumed from and the previous run's files elsewhere stay, as on local disk; and the removal rule
+itself (``lightning_ckguard.remote.removal_allowed``) on the paths a listing and a user give.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import fsspec
+import pytest
+from lightning.pytorch import Trainer, seed_everything
+from test_object_storage import EXPECTED_AFTER_RESUME, _resume_scenario
+
+from helpers import QUIET, FaultyModel
+from lightning_ckguard import FiniteGradCheckpoint
+from lightning_ckguard.remote import removal_allowed
+
+EPOCHS = dict(limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
+LOSSES = [3.0, 2.0, 1.0, 0.5]
+
+
+@pytest.fixture
+def memory_root() -> Iterator[str]:
+    """A fresh directory on fsspec's in-memory filesystem (one store per process: a unique name per test)."""
+    root = f"memory://ckguard-{uuid.uuid4().hex[:12]}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def _names(url: str) -> set[str]:
+    fs = fsspec.filesystem("memory")
+    return {path.rsplit("/", 1)[-1] for path in fs.ls(url, detail=False)} if fs.exists(url) else set()
+
+
+def test_ckpt_path_last_resumes_on_a_non_local_fsspec_filesystem(memory_root):
+    url = f"{memory_root}/run"
+    args = dict(dirpath=url, monitor="val_loss", save_top_k=2, save_last=True)
+    seed_everything(0)
+    first = Trainer(callbacks=[FiniteGradCheckpoint(**args)], max_epochs=2, **QUIET, **EPOCHS)
+    first.fit(FaultyModel(val_losses=LOSSES))
+    trainer = Trainer(callbacks=[FiniteGradCheckpoint(**args)], max_epochs=3, **QUIET, **EPOCHS)
+    trainer.fit(FaultyModel(val_losses=LOSSES), ckpt_path="last")
+    assert str(trainer.ckpt_path).startswith("memory://") and str(trainer.ckpt_path).endswith("/run/last.ckpt")
+    assert trainer.global_step == 6
+    assert _names(url) == {"epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"}  # no `last-v1.ckpt`
+
+
+@pytest.mark.parametrize("case", list(EXPECTED_AFTER_RESUME))
+def test_resuming_on_a_non_local_fsspec_filesystem_keeps_what_local_disk_keeps(case, memory_root, tmp_path):
+    local = _resume_scenario(str(tmp_path), case)
+    remote = _resume_scenario(memory_root, case)
+    first_names, second_names = EXPECTED_AFTER_RESUME[case]
+    local_names = [{p.name for p in tmp_path.joinpath(d.rsplit("/", 1)[-1]).iterdir()} for d in local]
+    assert local_names[0] == _names(remote[0]) == first_names
+    if second_names is not None:
+        assert local_names[1] == _names(remote[1]) == second_names
+
+
+def test_the_removal_rule_on_listing_paths_and_urls():
+    fs = fsspec.filesystem("memory")
+    run = "memory://bucket/run"
+    allowed = lambda previous, resumed=None, current="memory://bucket/run/new.ckpt": removal_allowed(  # noqa: E731
+        fs, previous, current, run, resumed)
+    assert allowed("memory://bucket/run/old.ckpt")
+    assert allowed("/bucket/run/old.ckpt")  # the protocol-less form a listing gives: the same object
+    assert allowed("memory://bucket/run/sub/old.ckpt")
+    assert not allowed("memory://bucket/run/new.ckpt")  # the name being written
+    assert not allowed("memory://bucket/run/old.ckpt", resumed="/bucket/run/old.ckpt")  # the fit resumed from it
+    assert not allowed("memory://bucket/run-2/old.ckpt")  # a sibling directory whose name starts alike
+    assert not allowed("memory://bucket/other/old.ckpt")
+    assert not removal_allowed(fs, "memory://bucket/run/old.ckpt", "memory://bucket/run/new.ckpt", None, None)
