@@ -309,7 +309,10 @@ class GuardedCheckpoint(_CheckpointBase):
         if background is None:
             return
         background.wait()
-        failure = background.local_failure() if during_exception else background.agree_on_failures(trainer.strategy)
+        try:
+            failure = background.local_failure() if during_exception else background.agree_on_failures(trainer.strategy)
+        finally:
+            background.close()
         if failure is None:
             return
         if failure.published is not None:
