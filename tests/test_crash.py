@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import pytest
-import torch
 
 from conftest import deepspeed_missing, run_ranks
+from helpers import cross_device_tmpdir, loads_completely
 
 pytestmark = pytest.mark.multiprocess
 DEEPSPEED_PARAMETERS = {"deepspeed"}  # their items are marked `deepspeed` (conftest)
@@ -41,44 +40,10 @@ def _published(dirpath: str) -> list[str]:
     return sorted(name for name in os.listdir(dirpath) if not name.startswith("."))
 
 
-def _loads(strategy: str, path: str) -> bool:
-    """Whether ``path`` is a complete checkpoint of ``strategy``'s format: every file it needs is there and loads."""
-    try:
-        if strategy == "ddp":
-            return "state_dict" in torch.load(path, map_location="cpu", weights_only=False)
-        if strategy == "fsdp2":
-            from torch.distributed.checkpoint import FileSystemReader
-
-            metadata = FileSystemReader(path).read_metadata()
-            shards = {info.relative_path for info in metadata.storage_data.values()}
-            torch.load(os.path.join(path, "meta.pt"), weights_only=False)
-            return bool(shards) and all(os.path.getsize(os.path.join(path, shard)) > 0 for shard in shards)
-        # DeepSpeed: the tag named by `latest`, holding the model states and both ranks' optimizer partitions
-        with open(os.path.join(path, "latest")) as f:
-            tag_dir = os.path.join(path, f.read().strip())
-        names = os.listdir(tag_dir)
-        partitions = [[n for n in names if n.endswith(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")] for r in (0, 1)]
-        if "mp_rank_00_model_states.pt" not in names or not all(len(p) == 1 for p in partitions):
-            return False
-        needed = ["mp_rank_00_model_states.pt", *(p[0] for p in partitions)]
-        return all(torch.load(os.path.join(tag_dir, n), map_location="cpu", weights_only=False) for n in needed)
-    except Exception:
-        return False
-
-
-def _cross_device_tmpdir(reference: str) -> str | None:
-    """A temporary directory on another filesystem than ``reference``: fsspec then *copies* its temporary file."""
-    candidate = "/dev/shm"
-    if os.path.isdir(candidate) and os.access(candidate, os.W_OK):
-        if os.stat(candidate).st_dev != os.stat(reference).st_dev:
-            return tempfile.mkdtemp(prefix="ckguard-tmp-", dir=candidate)
-    return None
-
-
 def _crash(cell, strategy: str, phase: str, plain: bool = False):
     env = {}
     if strategy == "ddp":
-        tmpdir = _cross_device_tmpdir(str(cell))
+        tmpdir = cross_device_tmpdir(str(cell))
         if tmpdir is None and "during" in phase:
             pytest.skip("needs a TMPDIR on another filesystem than the checkpoints (e.g. a tmpfs /dev/shm)")
         env = {"TMPDIR": tmpdir} if tmpdir else {}
@@ -118,7 +83,7 @@ def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tm
         if phase == "rank0-after-exchange":  # a file's os.replace leaves nothing; an exchange, the old directory
             expected_left = [] if strategy == "ddp" else [".last.ckpt.ckguard-staging"]
             assert leftovers[phase] == expected_left, phase
-        incomplete = [name for name in published if not _loads(strategy, os.path.join(dirpath, name))]
+        incomplete = [name for name in published if not loads_completely(strategy, os.path.join(dirpath, name))]
         assert not incomplete, f"{phase}: published but incomplete: {incomplete}"
 
     resumed = run_ranks(
@@ -137,7 +102,7 @@ def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tm
         names = _published(dirpath)
         step_4 = ["step=4-v1.ckpt", "step=4.ckpt"] if phase == "rank0-between-renames" else ["step=4.ckpt"]
         assert names == sorted(["last.ckpt", "step=2.ckpt", *step_4, "step=6.ckpt"]), f"{phase}: {names}"
-        assert all(_loads(strategy, os.path.join(dirpath, name)) for name in names), phase
+        assert all(loads_completely(strategy, os.path.join(dirpath, name)) for name in names), phase
         assert not [name for name in os.listdir(dirpath) if name.startswith(".")], f"{phase}: leftovers"
         ledger = [*runs[0]["best_k_models"], runs[0]["last_model_path"]]
         assert all(os.path.exists(path) for path in ledger), f"{phase}: {ledger}"
@@ -156,7 +121,7 @@ def test_plain_model_checkpoint_publishes_a_truncated_file_when_tmpdir_is_anothe
     dirpath = str(tmp_path / "ckpts")
     assert "step=4.ckpt" in _published(dirpath), os.listdir(dirpath)
     assert 0 < os.path.getsize(os.path.join(dirpath, "step=4.ckpt"))  # half of it
-    assert not _loads("ddp", os.path.join(dirpath, "step=4.ckpt"))
+    assert not loads_completely("ddp", os.path.join(dirpath, "step=4.ckpt"))
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed", "fsdp2"])
@@ -186,4 +151,4 @@ def test_a_write_failing_on_rank_1_of_a_sharded_save_raises_on_every_rank_and_ro
         assert rank["last_model_path"] == os.path.join(dirpath, "last.ckpt")
     # the checkpoint step 4 would have evicted is still there, nothing partial is published or left behind
     assert sorted(os.listdir(dirpath)) == ["last.ckpt", "step=2.ckpt"], os.listdir(dirpath)
-    assert all(_loads(strategy, os.path.join(dirpath, name)) for name in ("last.ckpt", "step=2.ckpt"))
+    assert all(loads_completely(strategy, os.path.join(dirpath, name)) for name in ("last.ckpt", "step=2.ckpt"))
