@@ -15,6 +15,11 @@ run by run (``--repeats`` rounds), and the table gives medians over all rounds w
 
     python benchmarks/async_saves.py                  # ~2 min on 2 cores
     python benchmarks/async_saves.py --width 1024 --repeats 5
+    python benchmarks/async_saves.py --threads 1      # training on one core, the other free for the write
+
+On a machine with as many cores as training threads, a background write competes with the next steps for the CPU
+(and for the GIL while ``torch.save`` pickles): the step right after a boundary is then slower, not faster. With a
+core to spare (``--threads 1`` on 2 cores; on a GPU machine, where the step runs on the device) it is not.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def run(row: str, args: argparse.Namespace, root: Path) -> dict[str, list[float]
     dirpath = Path(tempfile.mkdtemp(dir=root))
     clock = StepClock()
     callback = callback_class(dirpath=dirpath, every_n_train_steps=args.every, save_top_k=1)
-    seed_everything(0)
+    seed_everything(0, verbose=False)
     data = DataLoader(TensorDataset(torch.randn(args.steps * args.batch, args.width)), batch_size=args.batch)
     trainer = Trainer(max_steps=args.steps, callbacks=[callback, clock], plugins=[AsyncCheckpointIO()] if asynchronous
                       else None, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -109,7 +114,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for training (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     parameters = args.depth * (args.width * args.width + args.width)
@@ -134,7 +142,8 @@ def main() -> None:
         step = median(r["boundary step"])
         rows.append([row, ms(step), f"{step / baseline:.2f}x", ms(median(r["next step"])), ms(median(r["other steps"])),
                      f"{median(r['fit']):.2f} s"])
-    print(table(["row", "boundary step", "vs sync FiniteGradCheckpoint", "next step", "other steps", "fit"], rows))
+    print(table(["row", "boundary step (ms)", "vs sync FiniteGradCheckpoint", "next step (ms)", "other steps (ms)",
+                 "fit"], rows))
 
 
 if __name__ == "__main__":

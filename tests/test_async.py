@@ -127,8 +127,13 @@ def test_a_failed_background_write_raises_by_the_next_boundary_and_the_ledger_re
 ):
     """Keep-the-newest (``save_top_k=1``): the failed write's boundary would have evicted ``step=2.ckpt``. A failure
     of step 4's write is noticed at the boundary of step 6; one of the last boundary's (step 6) at the end of
-    training. Either way the error is the write's own, nothing partial is left, and ``step=2.ckpt`` is still there
-    and still the best."""
+    training. Either way the error is the write's own, nothing partial is left, and the checkpoint the failed
+    boundary would have evicted is still there and still the best.
+
+    The reproduction of issue 15: before background publication, ``FiniteGradCheckpoint`` handed an
+    ``AsyncCheckpointIO`` write the real path, as ``ModelCheckpoint`` does (the staging rename of an earlier release
+    raised ``FileNotFoundError`` instead, the write still queued): step 4's boundary evicted ``step=2.ckpt`` while
+    its own write was queued, so at step 5 the directory was empty, and this test fails there."""
     callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="{step}", monitor="step", mode="max", save_top_k=1,
                                     every_n_train_steps=2)
     steps = StepEnds([], tmp_path)
