@@ -1,5 +1,8 @@
 """``kill -9`` of one rank and of all ranks at points of a checkpoint save, on two real processes (gloo, CPU):
-single files (DDP), DeepSpeed ZeRO-2 directories and FSDP2 distributed-checkpoint directories.
+single files (DDP), DeepSpeed ZeRO-2 directories and FSDP2 distributed-checkpoint directories. The points include
+right after the new ``last`` took its name (one ``os.replace`` for a file, the ``renameat2`` exchange for a directory),
+between the two renames of the fallback where the exchange is unavailable (directories), and halfway through a
+background write with ``AsyncCheckpointIO`` (single files).
 
 After every crash, every published name is a complete checkpoint that loads, a surviving rank failed instead of
 hanging, and ``ckpt_path="last"`` resumes from the newest complete ``last``; after the resume no ledger entry
