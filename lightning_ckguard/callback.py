@@ -27,15 +27,17 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_ckguard._distributed import barrier, broadcast_value
 from lightning_ckguard._validation import unwritable_dirpath_error, validate_arguments
 from lightning_ckguard.agreement import Verdict
+from lightning_ckguard.background import BackgroundPublisher, PublicationUnit
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.ledger import Ledger
@@ -49,7 +51,7 @@ from lightning_ckguard.remote import (
 )
 from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.rewind import DEFAULT_MAX_REWINDS, Position, Rewind, RewindLog
-from lightning_ckguard.seal import PublicationSeal, agree_on_write
+from lightning_ckguard.seal import PublicationSeal, _replaced, agree_on_write
 from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.source_selection import gradient_source_for
 from lightning_ckguard.staging import (
@@ -92,6 +94,7 @@ class LightningPackage:
     name: str  # "lightning.pytorch" or "pytorch_lightning"
     trainer: type
     torch_checkpoint_io: type
+    async_checkpoint_io: type
 
 
 def _package_of(module: str) -> str | None:
@@ -101,7 +104,7 @@ def _package_of(module: str) -> str | None:
 
 #: Attributes that only mean something while a fit runs (a Trainer, a module's gradient source, this boundary's vote):
 #: not part of the callback's value, so a pickled or deep-copied callback leaves them out.
-_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote", "_rewind_log")
+_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote", "_rewind_log", "_background", "_unit")
 
 
 if TYPE_CHECKING:
@@ -210,6 +213,10 @@ class GuardedCheckpoint(_CheckpointBase):
         self._last_report: BoundaryReport | None = None
         self._counts = {"accepted": 0, "rejected": 0}
         self._vote: TopKVote | None = None
+        # with AsyncCheckpointIO: the thread that writes and publishes accepted boundaries in order, and the unit of
+        # the boundary running now (see lightning_ckguard.background)
+        self._background: BackgroundPublisher | None = None
+        self._unit: PublicationUnit | None = None
 
     @property
     def rejection(self) -> NonFiniteGradientError | None:
@@ -246,6 +253,7 @@ class GuardedCheckpoint(_CheckpointBase):
             if unsupported is not None:
                 raise unsupported
         self._trainer = trainer
+        self._background = None
         PublicationSeal.install(trainer, self)
         if trainer.is_global_zero and self.dirpath is not None and is_local(self._fs):
             for action in recover(str(self.dirpath)):  # what a crash during an earlier publication left behind
@@ -271,6 +279,8 @@ class GuardedCheckpoint(_CheckpointBase):
         # After a rejection the seal stays: no later save in this process may publish the diverged state.
         if self._rejection is None:
             PublicationSeal.uninstall(trainer, self)
+        if self._background is not None:  # every unit has run by now (train end, or the exception)
+            self._background.close()
         self._trainer = None
         self._guard = None
 
@@ -336,10 +346,33 @@ class GuardedCheckpoint(_CheckpointBase):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._boundary(trainer, "train end", partial(super().on_train_end, trainer, pl_module))
+        self._finish_background(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         hook = partial(super().on_exception, trainer, pl_module, exception)
         self._boundary(trainer, "exception", hook, during_exception=True)
+        self._finish_background(trainer, during_exception=True)
+
+    def _finish_background(self, trainer: pl.Trainer, during_exception: bool = False) -> None:
+        """At the end of training, wait for every background write; a failure raises on every rank, as at a
+        boundary. During an exception no collective is safe and the original error is the one to surface: each rank
+        rolls back to what it published and says so."""
+        background = self._background
+        if background is None:
+            return
+        background.wait()
+        try:
+            failure = background.local_failure() if during_exception else background.agree_on_failures(trainer.strategy)
+        finally:
+            background.close()
+        if failure is None:
+            return
+        if failure.published is not None:
+            failure.published.apply_to(self)
+        if during_exception:
+            rank_zero_warn(f"FiniteGradCheckpoint: a background checkpoint write failed as well: {failure.error}")
+            return
+        raise failure.error
 
     def _boundary(
         self, trainer: pl.Trainer, name: str, hook: Callable[[], None], during_exception: bool = False
@@ -347,15 +380,21 @@ class GuardedCheckpoint(_CheckpointBase):
         if self._rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
         top_k_before = set(self.best_k_models)
+        remove = partial(super()._remove_checkpoint, trainer)  # ModelCheckpoint's own: removes for real
         try:
             outcome = run_boundary(
                 self,
                 hook,
-                agree=lambda: self._agree(trainer, name).accepted,
-                remove=partial(super()._remove_checkpoint, trainer),  # ModelCheckpoint's own: removes for real
+                agree=lambda: self._agree_at_boundary(trainer, name),
+                # with a background unit, an eviction waits in it until the unit published everything
+                remove=lambda path: self._unit.evict(path, remove) if self._unit is not None else remove(path),
             )
+            if outcome == "published" and self._unit is not None:
+                assert self._background is not None
+                self._background.submit(self._unit)  # queued behind the boundaries accepted before it
         finally:
             self._vote = None  # the top-K vote belongs to this boundary: the next one takes its own
+            self._unit = None
         if outcome == "rejected":
             self._reject(trainer, during_exception)
         elif outcome == "published":
@@ -364,6 +403,42 @@ class GuardedCheckpoint(_CheckpointBase):
             self._guard.reset()
             if self._rewind_log is not None:
                 self._note_published(trainer, top_k_before)
+
+    def _agree_at_boundary(self, trainer: pl.Trainer, boundary: str) -> bool:
+        """The agreement at a boundary's first file operation. With background writes, every rank then also learns
+        whether an earlier boundary's write failed (raised here, the ledger back to what was published), and an
+        accepted boundary opens its unit."""
+        verdict = self._agree(trainer, boundary)
+        background = self._background_publisher(trainer)
+        if background is None:
+            return verdict.accepted
+        transaction = self._own_transaction()
+        assert transaction is not None
+        failure = background.agree_on_failures(trainer.strategy)
+        if failure is not None:
+            if failure.published is not None:
+                transaction.roll_back_to(failure.published)
+            raise failure.error
+        if verdict.accepted:
+            self._unit = background.open_unit(transaction.before)
+        return verdict.accepted
+
+    def _background_publisher(self, trainer: pl.Trainer) -> BackgroundPublisher | None:
+        """The background publisher when this Trainer saves through Lightning's ``AsyncCheckpointIO`` (over its
+        ``TorchCheckpointIO``) single files on a local filesystem, else None: every write is synchronous. Strategies
+        that write directories (DeepSpeed, distributed checkpoints) do so themselves, synchronously."""
+        checkpoint_io = trainer.strategy.checkpoint_io
+        if not (
+            isinstance(checkpoint_io, self._lightning.async_checkpoint_io)
+            and isinstance(checkpoint_io.checkpoint_io, self._lightning.torch_checkpoint_io)  # type: ignore[attr-defined]
+            and not writes_directories(trainer.strategy)
+            and PublicationSeal.writes_through_lightning(trainer)
+            and is_local(self._fs)
+        ):
+            return None
+        if self._background is None:
+            self._background = BackgroundPublisher()
+        return self._background
 
     def _agree(self, trainer: pl.Trainer, boundary: str) -> Verdict:
         if self._guard is None:  # not fitting: nothing was recorded, but every rank still meets here
@@ -426,6 +501,8 @@ class GuardedCheckpoint(_CheckpointBase):
     def _rewind(self, trainer: pl.Trainer, report: BoundaryReport, rewind_log: RewindLog) -> None:
         """Every rank restores the last published checkpoint together (the verdict decided, the same everywhere)."""
         assert self._guard is not None
+        if self._background is not None:
+            self._background.wait()  # the checkpoint to go back to may still be being written in the background
         try:
             rewind = rewind_log.rewind(trainer, report, exists=self._fs.exists)
         except NonFiniteGradientError as refused:  # no checkpoint, max_rewinds reached, or the restore failed
@@ -488,7 +565,9 @@ class GuardedCheckpoint(_CheckpointBase):
             return
         transaction.admit()  # the boundary's first file operation agrees; a rejection unwinds the hook here
         transaction.note_write(filepath, existed=trainer.is_global_zero and self._existed(filepath))
-        if self._stages_writes(trainer):
+        if self._unit is not None:
+            self._save_in_background(trainer, filepath, self._unit)
+        elif self._stages_writes(trainer):
             self._save_staged(trainer, filepath)
         else:
             super()._save_checkpoint(trainer, filepath)
@@ -535,6 +614,30 @@ class GuardedCheckpoint(_CheckpointBase):
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero:  # after the rename, so a logger that uploads the file finds it
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    def _save_in_background(self, trainer: pl.Trainer, filepath: str, unit: PublicationUnit) -> None:
+        """``ModelCheckpoint._save_checkpoint`` with ``AsyncCheckpointIO``: the checkpoint is collected as usual on
+        every rank (Lightning's save, the seal's agreement on a failure), and where ``AsyncCheckpointIO`` would queue
+        its write, a snapshot of it (the tensors cloned now, as ``AsyncCheckpointIO`` does) joins ``unit`` instead:
+        written into the staging sibling by ``AsyncCheckpointIO``'s own base checkpoint IO on the background thread,
+        then moved into place, before the unit's links and evictions."""
+        staging = staging_path(filepath)
+        checkpoint_io = trainer.strategy.checkpoint_io
+        base = checkpoint_io.checkpoint_io  # type: ignore[attr-defined]  # an AsyncCheckpointIO's
+
+        def write_later(checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+            snapshot = apply_to_collection(checkpoint, Tensor, _point_in_time_copy)
+            unit.write(str(path), partial(base.save_checkpoint, snapshot, path, storage_options=storage_options))
+
+        with _replaced(checkpoint_io, "save_checkpoint", write_later):
+            trainer.save_checkpoint(staging, self.save_weights_only)  # a failure on any rank raises on every rank
+        if trainer.is_global_zero:
+            unit.publish(staging, filepath)
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:  # as ModelCheckpoint with AsyncCheckpointIO: the write may still be running
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
 
@@ -691,6 +794,12 @@ def link_in_boundary(link: Callable[[Any, str, str], None], trainer: Any, filepa
         return
     transaction.admit()  # a boundary whose first file operation is a link agrees here
     transaction.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
+    unit = transaction.checkpoint._unit
+    if unit is not None:  # background writes: linked once the target is published, in the boundary's unit
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            unit.link(filepath, linkpath)
+        trainer.strategy.barrier()  # the collective ModelCheckpoint's link ends with, so every rank runs the same
+        return
     if not is_local(transaction.checkpoint._fs):
         link(trainer, filepath, linkpath)
         return
@@ -701,9 +810,13 @@ def link_in_boundary(link: Callable[[Any, str, str], None], trainer: Any, filepa
         move_into_place(staging, linkpath)
 
 
+def _point_in_time_copy(tensor: Tensor) -> Tensor:
+    return tensor.detach().clone()
+
+
 class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):
     __doc__ = GuardedCheckpoint.__doc__
-    _lightning = LightningPackage("lightning.pytorch", pl.Trainer, TorchCheckpointIO)
+    _lightning = LightningPackage("lightning.pytorch", pl.Trainer, TorchCheckpointIO, AsyncCheckpointIO)
 
     @staticmethod
     def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # static, as in ModelCheckpoint

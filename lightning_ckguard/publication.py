@@ -68,6 +68,11 @@ class BoundaryTransaction:
         if not existed:
             self.created.append(path)
 
+    def roll_back_to(self, ledger: Ledger) -> None:
+        """If the boundary fails, restore ``ledger`` instead of the one before it: a failure found here concerns
+        earlier boundaries too (a background write), and the ledger goes back to what was actually published."""
+        self.before = ledger
+
     def defer_removal(self, path: str) -> None:
         """Remove ``path`` once every write of the boundary has succeeded (never, if one fails)."""
         self.deferred_removals.append(path)

@@ -16,6 +16,7 @@ The errors and the Trainer-free core are the very same objects as in ``lightning
 import pytorch_lightning as pl
 from lightning_fabric.plugins.io import TorchCheckpointIO
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
 from lightning_ckguard.agreement import RankReport, Verdict
 from lightning_ckguard.callback import GuardedCheckpoint, LightningPackage, link_in_boundary
@@ -26,7 +27,7 @@ from lightning_ckguard.report import BoundaryReport
 
 class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):  # type: ignore[misc]  # two copies of one API
     __doc__ = GuardedCheckpoint.__doc__
-    _lightning = LightningPackage("pytorch_lightning", pl.Trainer, TorchCheckpointIO)
+    _lightning = LightningPackage("pytorch_lightning", pl.Trainer, TorchCheckpointIO, AsyncCheckpointIO)
 
     @staticmethod
     def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]

@@ -6,17 +6,32 @@ final name. A single file is serialized in memory by Lightning and written throu
 transaction writes a temporary file in ``$TMPDIR`` and *moves* it into place: when ``$TMPDIR`` is on another
 filesystem than the checkpoint, the move is a copy, and a crash during it leaves a truncated file under the final
 name. So every write goes to a hidden staging sibling in the same directory; once every rank is done (Lightning's
-post-save barrier), rank 0 moves it into place with one ``rename``, and only then are evictions and links performed.
+post-save barrier), rank 0 moves it into place, and only then are evictions and links performed.
 
-A crash leaves at worst a staging entry, or a retired copy of the checkpoint being replaced; both are resolved by
-:func:`recover` when training starts again (before ``ckpt_path="last"`` is resolved, and in ``setup``).
+How the move replaces what is there (:func:`move_into_place`):
+
+- a file or a link: one ``os.replace``, so the name is never absent;
+- a directory, on Linux where the checkpoint's own filesystem supports ``renameat2(RENAME_EXCHANGE)`` (ext4, xfs,
+  btrfs, tmpfs; probed once per filesystem): the new and the old directory swap names in one step, so the name is
+  never absent either; the old one is then renamed to a retired name and removed;
+- a directory elsewhere (NFS, other systems): the old one is renamed aside first, then the new one moved in; between
+  the two renames the name is briefly absent, with the old checkpoint recoverable.
+
+A crash leaves at worst a staging entry (a checkpoint never published, or the old one an exchange just replaced), or
+a retired copy of the checkpoint being replaced; both are resolved by :func:`recover` when training starts again
+(before ``ckpt_path="last"`` is resolved, and in ``setup``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import platform
 import shutil
+import sys
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -67,18 +82,111 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+# renameat2's syscall number, for a C library without the wrapper (glibc before 2.28)
+_RENAMEAT2_SYSCALL = {"x86_64": 316, "aarch64": 276}
+
+
+def _load_renameat2() -> Callable[[str, str], None] | None:
+    """``renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)`` as a Python function, or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    function = getattr(libc, "renameat2", None)
+    number = _RENAMEAT2_SYSCALL.get(platform.machine())
+    if function is None and number is None:
+        return None
+
+    def exchange(a: str, b: str) -> None:
+        paths = (os.fsencode(a), os.fsencode(b))
+        if function is not None:
+            result = function(_AT_FDCWD, paths[0], _AT_FDCWD, paths[1], _RENAME_EXCHANGE)
+        else:
+            result = libc.syscall(number, _AT_FDCWD, paths[0], _AT_FDCWD, paths[1], _RENAME_EXCHANGE)
+        if result != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), a, None, b)
+
+    return exchange
+
+
+_renameat2 = _load_renameat2()
+#: Whether the exchange works, per filesystem (``st_dev``): probed once, on the checkpoint's own directory.
+_exchange_support: dict[int, bool] = {}
+
+
+def _exchange(a: str, b: str) -> None:
+    """Swap the names ``a`` and ``b`` in one step (both must exist)."""
+    assert _renameat2 is not None
+    _renameat2(a, b)
+
+
+def supports_exchange(directory: str) -> bool:
+    """Whether entries in ``directory`` can swap names atomically (``renameat2`` with ``RENAME_EXCHANGE``).
+
+    Probed once per filesystem with two empty entries named like staging entries (so that a crash during the probe
+    leaves nothing :func:`recover` does not remove), and cached.
+    """
+    if _renameat2 is None:
+        return False
+    device = os.stat(directory).st_dev
+    if device not in _exchange_support:
+        probes = [os.path.join(directory, f".ckguard-probe-{os.getpid()}-{side}{STAGING_SUFFIX}") for side in "ab"]
+        try:
+            for probe in probes:
+                os.makedirs(probe, exist_ok=True)
+            _exchange(*probes)
+            _exchange_support[device] = True
+        except OSError as error:
+            # EINVAL: the filesystem does not support the flag; ENOSYS: the kernel lacks the call
+            if error.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            _exchange_support[device] = False
+        finally:
+            for probe in probes:
+                if os.path.isdir(probe):
+                    os.rmdir(probe)
+    return _exchange_support[device]
+
+
+def _is_directory(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
 def move_into_place(staging: str, filepath: str) -> None:
     """Publish ``staging`` as ``filepath``, replacing an existing checkpoint of that name (rank 0 only).
 
-    The old checkpoint is renamed aside first, so at every instant ``filepath`` is either the old complete checkpoint,
-    absent (with the old one recoverable), or the new complete one.
+    A file or link replaces a file or link by one ``os.replace``: ``filepath`` is never absent. Where a directory is
+    involved, its entries swap names in one step where the filesystem supports it (:func:`supports_exchange`), and the
+    old one is removed afterwards; elsewhere the old checkpoint is renamed aside first, so at every instant
+    ``filepath`` is either the old complete checkpoint, absent (with the old one recoverable), or the new one.
     """
+    if not os.path.lexists(filepath) or not (_is_directory(staging) or _is_directory(filepath)):
+        os.replace(staging, filepath)
+        return
     retired = _retired_path(filepath)
-    if os.path.lexists(filepath):
-        _remove(retired)
-        os.replace(filepath, retired)
-    os.replace(staging, filepath)
     _remove(retired)
+    if supports_exchange(os.path.dirname(os.path.abspath(filepath))):
+        _exchange(staging, filepath)  # the new checkpoint is published; the old one is under the staging name
+        os.replace(staging, retired)
+    else:
+        os.replace(filepath, retired)
+        os.replace(staging, filepath)
+    _remove(retired)
+
+
+def make_link(target: str, linkpath: str) -> None:
+    """Make ``linkpath`` a symbolic link to ``target`` by a relative path, as ``ModelCheckpoint`` links ``last``; a
+    copy where the system refuses links."""
+    _remove(linkpath)
+    try:
+        os.symlink(os.path.relpath(target, os.path.dirname(linkpath)), linkpath)
+    except OSError:
+        shutil.copy(target, linkpath)
 
 
 def discard(staging: str) -> None:
@@ -113,8 +221,9 @@ def checkpoint_is_complete(path: str) -> bool:
 def recover(dirpath: str) -> list[str]:
     """Resolve what an interrupted publication left in ``dirpath``; return one line per action, for a warning.
 
-    A staging entry was never published: it is removed. A retired checkpoint whose replacement never arrived is
-    restored under its name; one whose replacement did arrive is removed.
+    A staging entry was never published, or holds the checkpoint an exchange replaced: it is removed. A retired
+    checkpoint whose replacement never arrived is restored under its name; one whose replacement did arrive is
+    removed.
 
     Safe to run on several ranks at once on a shared filesystem while nothing is being written (before training
     starts): an entry another rank already resolved is skipped, so every rank ends up seeing the same directory.
@@ -145,9 +254,11 @@ __all__ = [
     "checkpoint_is_complete",
     "discard",
     "is_local",
+    "make_link",
     "move_into_place",
     "published_path",
     "recover",
     "staging_path",
+    "supports_exchange",
     "writes_directories",
 ]

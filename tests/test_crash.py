@@ -1,5 +1,8 @@
 """``kill -9`` of one rank and of all ranks at points of a checkpoint save, on two real processes (gloo, CPU):
-single files (DDP), DeepSpeed ZeRO-2 directories and FSDP2 distributed-checkpoint directories.
+single files (DDP), DeepSpeed ZeRO-2 directories and FSDP2 distributed-checkpoint directories. The points include
+right after the new ``last`` took its name (one ``os.replace`` for a file, the ``renameat2`` exchange for a directory),
+between the two renames of the fallback where the exchange is unavailable (directories), and halfway through a
+background write with ``AsyncCheckpointIO`` (single files).
 
 After every crash, every published name is a complete checkpoint that loads, a surviving rank failed instead of
 hanging, and ``ckpt_path="last"`` resumes from the newest complete ``last``; after the resume no ledger entry
@@ -10,19 +13,28 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import pytest
-import torch
 
 from conftest import deepspeed_missing, run_ranks
+from helpers import cross_device_tmpdir, loads_completely
 
 pytestmark = pytest.mark.multiprocess
 DEEPSPEED_PARAMETERS = {"deepspeed"}  # their items are marked `deepspeed` (conftest)
 
-PHASES = ("rank1-before", "rank0-during", "all-during", "all-after", "rank0-between-renames")
+COMMON_PHASES = ("rank1-before", "rank0-during", "all-during", "all-after", "rank0-after-exchange")
+# files are replaced by one os.replace: only directories have the two-rename fallback (where RENAME_EXCHANGE is
+# missing); the async write concerns single files (DeepSpeed and FSDP2 write directories themselves, synchronously)
+PHASES = {
+    "ddp": (*COMMON_PHASES, "rank0-during-async"),
+    "deepspeed": (*COMMON_PHASES, "rank0-between-renames"),
+    "fsdp2": (*COMMON_PHASES, "rank0-between-renames"),
+}
 # the ranks that survive each phase, and must have failed instead of hanging
-SURVIVORS = {"rank1-before": [0], "rank0-during": [1], "all-during": [], "all-after": [], "rank0-between-renames": [1]}
+SURVIVORS = {"rank1-before": [0], "rank0-during": [1], "all-during": [], "all-after": [], "rank0-after-exchange": [1],
+             "rank0-between-renames": [1], "rank0-during-async": [1]}
+# the global step of the newest complete `last` after each phase: step 4's where the crash came after it took the name
+RESUMES_FROM = {phase: 2 for phase in SURVIVORS} | {"rank0-after-exchange": 4}
 # a rank that writes nothing (DDP rank 1) dies at the post-save barrier in "all-during"; it never opens a file
 BEFORE_STEP_4 = ["last.ckpt", "step=2.ckpt"]
 
@@ -31,44 +43,10 @@ def _published(dirpath: str) -> list[str]:
     return sorted(name for name in os.listdir(dirpath) if not name.startswith("."))
 
 
-def _loads(strategy: str, path: str) -> bool:
-    """Whether ``path`` is a complete checkpoint of ``strategy``'s format: every file it needs is there and loads."""
-    try:
-        if strategy == "ddp":
-            return "state_dict" in torch.load(path, map_location="cpu", weights_only=False)
-        if strategy == "fsdp2":
-            from torch.distributed.checkpoint import FileSystemReader
-
-            metadata = FileSystemReader(path).read_metadata()
-            shards = {info.relative_path for info in metadata.storage_data.values()}
-            torch.load(os.path.join(path, "meta.pt"), weights_only=False)
-            return bool(shards) and all(os.path.getsize(os.path.join(path, shard)) > 0 for shard in shards)
-        # DeepSpeed: the tag named by `latest`, holding the model states and both ranks' optimizer partitions
-        with open(os.path.join(path, "latest")) as f:
-            tag_dir = os.path.join(path, f.read().strip())
-        names = os.listdir(tag_dir)
-        partitions = [[n for n in names if n.endswith(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")] for r in (0, 1)]
-        if "mp_rank_00_model_states.pt" not in names or not all(len(p) == 1 for p in partitions):
-            return False
-        needed = ["mp_rank_00_model_states.pt", *(p[0] for p in partitions)]
-        return all(torch.load(os.path.join(tag_dir, n), map_location="cpu", weights_only=False) for n in needed)
-    except Exception:
-        return False
-
-
-def _cross_device_tmpdir(reference: str) -> str | None:
-    """A temporary directory on another filesystem than ``reference``: fsspec then *copies* its temporary file."""
-    candidate = "/dev/shm"
-    if os.path.isdir(candidate) and os.access(candidate, os.W_OK):
-        if os.stat(candidate).st_dev != os.stat(reference).st_dev:
-            return tempfile.mkdtemp(prefix="ckguard-tmp-", dir=candidate)
-    return None
-
-
 def _crash(cell, strategy: str, phase: str, plain: bool = False):
     env = {}
     if strategy == "ddp":
-        tmpdir = _cross_device_tmpdir(str(cell))
+        tmpdir = cross_device_tmpdir(str(cell))
         if tmpdir is None and "during" in phase:
             pytest.skip("needs a TMPDIR on another filesystem than the checkpoints (e.g. a tmpfs /dev/shm)")
         env = {"TMPDIR": tmpdir} if tmpdir else {}
@@ -77,11 +55,11 @@ def _crash(cell, strategy: str, phase: str, plain: bool = False):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "fsdp2"])
-@pytest.mark.timeout(1680)  # five 240 s launches and a 420 s resume, each with its own wall-clock kill
+@pytest.mark.timeout(1920)  # six 240 s launches and a 420 s resume, each with its own wall-clock kill
 def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tmp_path, strategy):
     if strategy == "deepspeed" and (reason := deepspeed_missing()):
         pytest.skip(reason)
-    cells = {phase: tmp_path / phase for phase in PHASES}
+    cells = {phase: tmp_path / phase for phase in PHASES[strategy]}
     leftovers: dict[str, list[str]] = {}
     for phase, cell in cells.items():
         cell.mkdir()
@@ -96,15 +74,19 @@ def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tm
                 assert not result.exists(), f"{phase}: rank {rank} was not killed:\n{crashed.stdout[-3000:]}"
         dirpath = str(cell / "ckpts")
         published = _published(dirpath)
-        expected = BEFORE_STEP_4 + (["step=4.ckpt"] if phase == "rank0-between-renames" else [])
+        step_4_published = phase in ("rank0-between-renames", "rank0-after-exchange")
+        expected = BEFORE_STEP_4 + (["step=4.ckpt"] if step_4_published else [])
         # between the renames of `last`, the old one is renamed aside: not published until recovery restores it
         if phase == "rank0-between-renames":
             expected.remove("last.ckpt")
         assert published == expected, f"{phase}: {os.listdir(dirpath)}"
         leftovers[phase] = sorted(name for name in os.listdir(dirpath) if name.startswith("."))
-        if phase in ("all-after", "rank0-between-renames"):  # written completely, never published
+        if phase in ("all-after", "rank0-between-renames", "rank0-during-async"):  # written (in part), never published
             assert leftovers[phase], phase
-        incomplete = [name for name in published if not _loads(strategy, os.path.join(dirpath, name))]
+        if phase == "rank0-after-exchange":  # a file's os.replace leaves nothing; an exchange, the old directory
+            expected_left = [] if strategy == "ddp" else [".last.ckpt.ckguard-staging"]
+            assert leftovers[phase] == expected_left, phase
+        incomplete = [name for name in published if not loads_completely(strategy, os.path.join(dirpath, name))]
         assert not incomplete, f"{phase}: published but incomplete: {incomplete}"
 
     resumed = run_ranks(
@@ -116,14 +98,14 @@ def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tm
         dirpath = str(cell / "ckpts")
         runs = [rank[str(cell)] for rank in ranks]
         assert [r["error"] for r in runs] == [None, None], f"{phase}: {runs[0].get('trace') or runs[1].get('trace')}"
-        # the newest complete `last` is global step 2's, on every phase (step 4's `last` was never published)
+        # the newest complete `last`: global step 2's, except where step 4's had taken the name before the crash
         assert [r["ckpt_path"] for r in runs] == [os.path.join(dirpath, "last.ckpt")] * 2, phase
-        assert [r["start_step"] for r in runs] == [2, 2], phase
+        assert [r["start_step"] for r in runs] == [RESUMES_FROM[phase]] * 2, phase
         assert [r["global_step"] for r in runs] == [6, 6], phase
         names = _published(dirpath)
         step_4 = ["step=4-v1.ckpt", "step=4.ckpt"] if phase == "rank0-between-renames" else ["step=4.ckpt"]
         assert names == sorted(["last.ckpt", "step=2.ckpt", *step_4, "step=6.ckpt"]), f"{phase}: {names}"
-        assert all(_loads(strategy, os.path.join(dirpath, name)) for name in names), phase
+        assert all(loads_completely(strategy, os.path.join(dirpath, name)) for name in names), phase
         assert not [name for name in os.listdir(dirpath) if name.startswith(".")], f"{phase}: leftovers"
         ledger = [*runs[0]["best_k_models"], runs[0]["last_model_path"]]
         assert all(os.path.exists(path) for path in ledger), f"{phase}: {ledger}"
@@ -142,7 +124,7 @@ def test_plain_model_checkpoint_publishes_a_truncated_file_when_tmpdir_is_anothe
     dirpath = str(tmp_path / "ckpts")
     assert "step=4.ckpt" in _published(dirpath), os.listdir(dirpath)
     assert 0 < os.path.getsize(os.path.join(dirpath, "step=4.ckpt"))  # half of it
-    assert not _loads("ddp", os.path.join(dirpath, "step=4.ckpt"))
+    assert not loads_completely("ddp", os.path.join(dirpath, "step=4.ckpt"))
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed", "fsdp2"])
@@ -172,4 +154,4 @@ def test_a_write_failing_on_rank_1_of_a_sharded_save_raises_on_every_rank_and_ro
         assert rank["last_model_path"] == os.path.join(dirpath, "last.ckpt")
     # the checkpoint step 4 would have evicted is still there, nothing partial is published or left behind
     assert sorted(os.listdir(dirpath)) == ["last.ckpt", "step=2.ckpt"], os.listdir(dirpath)
-    assert all(_loads(strategy, os.path.join(dirpath, name)) for name in ("last.ckpt", "step=2.ckpt"))
+    assert all(loads_completely(strategy, os.path.join(dirpath, name)) for name in ("last.ckpt", "step=2.ckpt"))

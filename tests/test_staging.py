@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
+import lightning_ckguard.staging as staging_module
 from conftest import LAST_AT_EVERY_BOUNDARY
 from helpers import QUIET, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
@@ -43,6 +44,90 @@ def test_move_into_place_replaces_a_published_directory_whole(tmp_path):
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
 
+def _recorded_renames(monkeypatch) -> list[tuple[str, ...]]:
+    calls: list[tuple[str, ...]] = []
+    replace, exchange = os.replace, staging_module._exchange
+
+    def recorded_replace(src, dst, *args, **kwargs):
+        calls.append(("replace", os.path.basename(src), os.path.basename(dst)))
+        return replace(src, dst, *args, **kwargs)
+
+    def recorded_exchange(a, b):
+        calls.append(("exchange", os.path.basename(a), os.path.basename(b)))
+        return exchange(a, b)
+
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    monkeypatch.setattr(staging_module, "_exchange", recorded_exchange)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_file_or_link_is_replaced_by_one_os_replace_so_its_name_is_never_absent(tmp_path, monkeypatch, kind):
+    final = str(tmp_path / "last.ckpt")
+    staging = staging_path(final)
+    (tmp_path / "step=2.ckpt").write_text("old")
+    (tmp_path / "step=4.ckpt").write_text("new")
+    if kind == "file":
+        (tmp_path / "last.ckpt").write_text("old")
+        (tmp_path / os.path.basename(staging)).write_text("new")
+    else:
+        os.symlink("step=2.ckpt", final)
+        os.symlink("step=4.ckpt", staging)
+    calls = _recorded_renames(monkeypatch)
+    move_into_place(staging, final)
+    assert calls == [("replace", ".last.ckpt.ckguard-staging", "last.ckpt")]
+    assert open(final).read() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
+
+
+def test_a_directory_is_swapped_in_one_exchange_where_the_filesystem_supports_it(tmp_path, monkeypatch):
+    if not staging_module.supports_exchange(str(tmp_path)):
+        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE)")
+    final = str(tmp_path / "last.ckpt")
+    _checkpoint_dir(final, "old")
+    staging = staging_path(final)
+    _checkpoint_dir(staging, "new")
+    calls = _recorded_renames(monkeypatch)
+    move_into_place(staging, final)
+    # published in one step; then the old directory (now under the staging name) is retired and removed
+    assert calls == [("exchange", ".last.ckpt.ckguard-staging", "last.ckpt"),
+                     ("replace", ".last.ckpt.ckguard-staging", ".last.ckpt.ckguard-retired")]
+    assert _content(final) == {"new"}
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_without_the_exchange_a_directory_is_replaced_by_two_renames(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging_module, "supports_exchange", lambda directory: False)
+    final = str(tmp_path / "last.ckpt")
+    _checkpoint_dir(final, "old")
+    staging = staging_path(final)
+    _checkpoint_dir(staging, "new")
+    calls = _recorded_renames(monkeypatch)
+    move_into_place(staging, final)
+    assert calls == [("replace", "last.ckpt", ".last.ckpt.ckguard-retired"),
+                     ("replace", ".last.ckpt.ckguard-staging", "last.ckpt")]
+    assert _content(final) == {"new"}
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_the_exchange_is_probed_once_per_filesystem_and_refused_where_unsupported(tmp_path, monkeypatch):
+    import errno
+
+    calls: list[tuple[str, str]] = []
+
+    def refusing(a, b):
+        calls.append((a, b))
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(staging_module, "_renameat2", refusing)
+    monkeypatch.setattr(staging_module, "_exchange_support", {})
+    (tmp_path / "sub").mkdir()
+    assert staging_module.supports_exchange(str(tmp_path)) is False
+    assert staging_module.supports_exchange(str(tmp_path / "sub")) is False  # same filesystem: cached
+    assert len(calls) == 1
+    assert sorted(os.listdir(tmp_path)) == ["sub"]  # the probes are gone
+
+
 def test_recover_removes_staging_and_restores_an_interrupted_replacement(tmp_path):
     # a crash before the rename: only the staging directory
     _checkpoint_dir(staging_path(str(tmp_path / "step=4.ckpt")), "partial")
@@ -51,9 +136,13 @@ def test_recover_removes_staging_and_restores_an_interrupted_replacement(tmp_pat
     # a crash after the new one arrived, before the old copy was deleted
     _checkpoint_dir(tmp_path / "step=2.ckpt", "new step 2")
     _checkpoint_dir(tmp_path / ".step=2.ckpt.ckguard-retired", "old step 2")
+    # a crash right after an exchange: the old directory is under the staging name
+    _checkpoint_dir(tmp_path / "step=6.ckpt", "new step 6")
+    _checkpoint_dir(staging_path(str(tmp_path / "step=6.ckpt")), "old step 6")
     actions = recover(str(tmp_path))
-    assert len(actions) == 3
-    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt"]
+    assert len(actions) == 4
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt", "step=6.ckpt"]
+    assert _content(tmp_path / "step=6.ckpt") == {"new step 6"}
     assert _content(tmp_path / "last.ckpt") == {"old last"}
     assert _content(tmp_path / "step=2.ckpt") == {"new step 2"}
 

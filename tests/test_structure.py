@@ -14,7 +14,7 @@ import pytest
 PACKAGE = "lightning_ckguard"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 
-PUBLICATION = ("ledger", "publication", "remote", "seal", "staging", "top_k_vote")
+PUBLICATION = ("background", "ledger", "publication", "remote", "seal", "staging", "top_k_vote")
 RECORDING = ("sources", "deepspeed_sources", "source_selection", "finiteness", "window", "skips")
 
 

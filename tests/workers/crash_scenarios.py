@@ -14,8 +14,12 @@ steps with ``save_top_k=-1`` and ``save_last=True``; during the save at global s
 - ``all-during``: every rank as it opens its first checkpoint file; a rank that writes nothing (DDP rank 1) in
   Lightning's post-save barrier;
 - ``all-after``: every rank in Lightning's post-save barrier: everything is serialized, nothing is published;
-- ``rank0-between-renames``: rank 0 between the two renames that replace ``last.ckpt`` (the old one is renamed
-  aside, the new one is not in place yet).
+- ``rank0-after-exchange``: rank 0 right after the new ``last.ckpt`` took the name (a file: its one ``os.replace``;
+  a directory: the ``renameat2`` exchange, the old one now under the staging name), before anything else;
+- ``rank0-between-renames`` (directories only): with the exchange unavailable (as on NFS), rank 0 between the two
+  renames that replace ``last.ckpt`` (the old one is renamed aside, the new one is not in place yet);
+- ``rank0-during-async`` (single files only): with ``AsyncCheckpointIO``, rank 0 halfway through the background
+  write of the step-4 checkpoint (the copy of fsspec's temporary file, on the write thread).
 
 ``rank1-disk-full`` is not a crash: rank 1's first file of the step-4 save fails to open with ``ENOSPC``, and the
 callback keeps only the latest checkpoint (``monitor="step"``), so that save would have evicted ``step=2.ckpt``.
@@ -44,18 +48,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, ledger_state  # noqa: E402
-from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint, staging  # noqa: E402
 from lightning_ckguard.staging import STAGING_SUFFIX  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 CRASH_STEP = 4
 TIMEOUT = timedelta(seconds=30)
-PHASES = ("rank1-before", "rank0-during", "all-during", "all-after", "rank0-between-renames")
+PHASES = ("rank1-before", "rank0-during", "all-during", "all-after", "rank0-after-exchange", "rank0-between-renames",
+          "rank0-during-async")
 DISK_FULL = "rank1-disk-full"  # not a crash: rank 1's first file write of the step-4 save fails with ENOSPC
 
 
@@ -84,7 +90,7 @@ class KillSwitch:
             self.kill()  # (all-during: a rank that got here opened no file, i.e. DDP's rank 1)
 
     def _during(self) -> bool:
-        return self._armed("rank0-during", ranks=(0,)) or self._armed("all-during")
+        return self._armed("rank0-during", "rank0-during-async", ranks=(0,)) or self._armed("all-during")
 
     def file_opened_for_writing(self, path: str) -> None:
         if self._armed(DISK_FULL, ranks=(1,)) and os.path.abspath(path).startswith(self.dirpath + os.sep):
@@ -107,7 +113,33 @@ class KillSwitch:
         ):
             self.kill()
 
+    def published_last(self, source: str, target: str) -> None:
+        """``source`` (a staging entry) now has the name ``target``: die there if ``last`` was just replaced."""
+        if (
+            self._armed("rank0-after-exchange", ranks=(0,))
+            and os.path.basename(target) == "last.ckpt"
+            and source.endswith(STAGING_SUFFIX)
+        ):
+            self.kill()
+
     def install(self) -> None:
+        # the exchange (directories) and os.replace (files, links) that publish: die right after them
+        exchange, replace = staging._exchange, os.replace
+
+        def exchange_then_maybe_die(a: str, b: str) -> None:
+            exchange(a, b)
+            self.published_last(a, b)
+
+        def replace_then_maybe_die(source: Any, target: Any, **kwargs: Any) -> None:
+            replace(source, target, **kwargs)
+            if not os.path.isdir(target):  # a directory that os.replace moves to a free name is not the swap
+                self.published_last(os.fspath(source), os.fspath(target))
+
+        staging._exchange = exchange_then_maybe_die
+        os.replace = replace_then_maybe_die
+        if self.phase == "rank0-between-renames":  # as on a filesystem without RENAME_EXCHANGE (NFS)
+            staging.supports_exchange = lambda directory: False
+
         def audit(event: str, args: tuple) -> None:
             if event == "open" and isinstance(args[0], (str, os.PathLike)):
                 mode, flags = args[1], args[2]
@@ -194,6 +226,7 @@ def fit(strategy: str, dirpath: str, phase: str, plain: bool) -> dict[str, Any]:
         devices=2,
         precision="bf16-mixed" if strategy == "deepspeed" else "32-true",
         callbacks=[callback, start],
+        plugins=[AsyncCheckpointIO()] if phase == "rank0-during-async" else None,
         max_steps=6,
         limit_val_batches=0,
         **QUIET,

@@ -1,0 +1,239 @@
+"""Background publication: each accepted boundary written on a thread and published in order, after its write.
+
+With Lightning's ``AsyncCheckpointIO`` the training step must not wait for storage. A boundary is still decided,
+agreed on and committed on the training thread, and its checkpoint is serialized there into memory (the tensors
+cloned, as ``AsyncCheckpointIO`` does); everything that touches storage becomes one :class:`PublicationUnit`, run on a
+single background thread in the order the boundaries were accepted:
+
+1. every write of the boundary, into its staging sibling;
+2. each staging entry moved into place, then ``last`` linked or replaced, in the order the hook asked;
+3. the evictions, last: nothing is evicted before the checkpoint that replaces it is published.
+
+A unit whose write or move fails removes what it had put down (staging entries, names it created) and stops the
+queue: no later unit publishes, since its checkpoint lists the one that failed. The failure is held until the next
+boundary that agrees, or the end of training, where :meth:`BackgroundPublisher.agree_on_failures` tells every rank in
+one small collective (under DDP only rank 0 writes); every rank then raises as for a synchronous failure, and the
+callback's ledger goes back to the one before the first unit that was not published: what is on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lightning_ckguard._distributed import broadcast_value, gather_ints
+from lightning_ckguard.errors import CheckpointWriteError
+from lightning_ckguard.ledger import Ledger
+from lightning_ckguard.staging import discard, make_link, move_into_place, published_path, staging_path
+
+log = logging.getLogger(__name__)
+
+Phase = Literal["write", "publish", "evict"]
+
+
+@dataclass
+class _Operation:
+    phase: Phase
+    path: str  # the published name it concerns, for messages
+    run: Callable[[], None]
+    staging: str | None = None  # a staging entry it fills or consumes, discarded if the unit fails
+
+
+@dataclass
+class PublicationUnit:
+    """The storage operations of one accepted boundary, in the order they run.
+
+    Args:
+        sequence: The boundary's place in acceptance order (the same on every rank).
+        before: The callback's ledger before the boundary: what a failure of this unit rolls back to.
+    """
+
+    sequence: int
+    before: Ledger
+    writes: list[_Operation] = field(default_factory=list)
+    publications: list[_Operation] = field(default_factory=list)
+    evictions: list[_Operation] = field(default_factory=list)
+
+    def write(self, staging: str, save: Callable[[], None]) -> None:
+        """Write a checkpoint into ``staging`` (``save`` does it, from a snapshot taken on the training thread)."""
+        self.writes.append(_Operation("write", published_path(staging), save, staging))
+
+    def publish(self, staging: str, filepath: str) -> None:
+        """Move ``staging`` into place as ``filepath`` once every write of the unit is done."""
+
+        def move() -> None:
+            if os.path.lexists(staging):  # a write that left nothing there has nothing to publish
+                move_into_place(staging, filepath)
+
+        self.publications.append(_Operation("publish", filepath, move, staging))
+
+    def link(self, target: str, linkpath: str) -> None:
+        """Link ``linkpath`` to ``target`` (made beside it and moved over it) once ``target`` is published."""
+        staging = staging_path(linkpath)
+
+        def link_and_move() -> None:
+            make_link(target, staging)
+            move_into_place(staging, linkpath)
+
+        self.publications.append(_Operation("publish", linkpath, link_and_move, staging))
+
+    def evict(self, path: str, remove: Callable[[str], None]) -> None:
+        """Remove ``path`` (with ``remove``) once the unit has published everything."""
+        self.evictions.append(_Operation("evict", path, lambda: remove(path)))
+
+
+@dataclass(frozen=True)
+class BackgroundFailure:
+    """A background failure, as every rank learned it at the same point.
+
+    Attributes:
+        error: What this rank raises: its own error if its write failed, else a ``CheckpointWriteError``.
+        published: The ledger of what was actually published (the one before the first unit that was not), or
+            None when every unit published (only an eviction failed): the ledger stands.
+    """
+
+    error: BaseException
+    published: Ledger | None
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+    path: str
+    first_unpublished: int
+
+
+class BackgroundPublisher:
+    """One background thread that runs :class:`PublicationUnit`s in acceptance order, and their failures.
+
+    Every rank keeps one and opens a unit for every boundary identically (a rank that writes nothing runs empty units),
+    so the units' ledgers are the same on every rank.
+    """
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._futures: list[Future[None]] = []
+        self._next_sequence = 0
+        self._ledgers: dict[int, Ledger] = {}  # submitted units not yet known published on every rank
+        self._failure: _Failure | None = None
+        self._published_through = -1
+
+    def open_unit(self, before: Ledger) -> PublicationUnit:
+        """A new unit for the boundary starting now, whose ledger is ``before``."""
+        return PublicationUnit(self._next_sequence, before)
+
+    def submit(self, unit: PublicationUnit) -> None:
+        """Queue ``unit`` behind every unit submitted before it; it starts once they are done."""
+        self._next_sequence = unit.sequence + 1
+        self._ledgers[unit.sequence] = unit.before
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckguard-publication")
+        self._futures = [future for future in self._futures if not future.done()]
+        self._futures.append(self._executor.submit(self._run, unit))
+
+    def pending(self) -> int:
+        """How many submitted units have not finished running."""
+        return sum(not future.done() for future in self._futures)
+
+    def _run(self, unit: PublicationUnit) -> None:
+        with self._lock:
+            if self._failure is not None:
+                return  # an earlier unit failed: this one's checkpoint lists it, so it is never published
+        created: list[str] = []
+        operation: _Operation | None = None
+        try:
+            for operation in (*unit.writes, *unit.publications):
+                if operation.phase == "publish" and not os.path.lexists(operation.path):
+                    created.append(operation.path)
+                operation.run()
+        except BaseException as error:
+            self._undo(unit, created)
+            assert operation is not None
+            with self._lock:
+                self._failure = _Failure(error, operation.path, unit.sequence)
+            return
+        eviction: _Operation | None = None
+        try:
+            for eviction in unit.evictions:
+                eviction.run()
+        except BaseException as error:
+            assert eviction is not None
+            with self._lock:  # published; only an eviction failed: the evicted checkpoint stays, unlisted
+                self._failure = _Failure(error, eviction.path, unit.sequence + 1)
+                self._published_through = unit.sequence
+            return
+        with self._lock:
+            self._published_through = unit.sequence
+
+    @staticmethod
+    def _undo(unit: PublicationUnit, created: list[str]) -> None:
+        """Remove what a failed unit put down: its staging entries, and the names it published anew."""
+        for path in [*(op.staging for op in (*unit.writes, *unit.publications) if op.staging), *reversed(created)]:
+            try:
+                discard(path)
+            except Exception as cleanup_error:  # the write's own error is the one to surface
+                log.warning("Could not remove %s after a failed background checkpoint write: %s", path, cleanup_error)
+
+    def wait(self) -> None:
+        """Block until every submitted unit has run (the end of training)."""
+        for future in list(self._futures):
+            future.result()
+        self._futures = []
+
+    def agree_on_failures(self, strategy: Any) -> BackgroundFailure | None:
+        """Whether a unit failed on any rank so far, decided on every rank in one ``all_gather`` of three integers
+        (and, only on a failure, one broadcast of its description). Units still running are not waited for.
+
+        After a failure the publisher starts afresh: the failed and the abandoned units are forgotten.
+        """
+        with self._lock:
+            failure, published_through = self._failure, self._published_through
+        status = [1, failure.first_unpublished, published_through] if failure else [0, -1, published_through]
+        gathered = gather_ints(strategy, status)
+        failed = [rank for rank, (bad, _, _) in enumerate(gathered) if bad]
+        for sequence in [s for s in self._ledgers if s <= min(through for _, _, through in gathered)]:
+            del self._ledgers[sequence]  # published on every rank
+        if not failed:
+            return None
+        first_unpublished = gathered[failed[0]][1]
+        published = self._ledgers.get(first_unpublished)
+        description = f"{type(failure.error).__name__}: {failure.error}" if failure is not None else None
+        shared = broadcast_value(strategy, (failure.path if failure else "", description), src=failed[0])
+        self.wait()  # the abandoned units return at once
+        with self._lock:
+            self._failure = None
+        self._ledgers.clear()
+        error = failure.error if failure is not None else CheckpointWriteError(
+            ranks=failed, filepath=shared[0], cause=shared[1]
+        )
+        return BackgroundFailure(error, published)
+
+    def local_failure(self) -> BackgroundFailure | None:
+        """This rank's own failure, if any, without a collective (while an exception unwinds, when a peer may be
+        gone); like :meth:`agree_on_failures` it starts the publisher afresh."""
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is None:
+            return None
+        published = self._ledgers.get(failure.first_unpublished)
+        self._ledgers.clear()
+        return BackgroundFailure(failure.error, published)
+
+    def close(self) -> None:
+        """Wait for every unit, then stop the thread. A failure nobody was told of yet is logged."""
+        self.wait()
+        with self._lock:
+            if self._failure is not None:
+                log.warning("A background checkpoint write of %s failed: %s", self._failure.path, self._failure.error)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+__all__ = ["BackgroundFailure", "BackgroundPublisher", "PublicationUnit"]

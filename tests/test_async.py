@@ -1,0 +1,187 @@
+"""Asynchronous saves with Lightning's ``AsyncCheckpointIO``, in one process: the training step does not wait for the
+write, boundaries publish in the order they were accepted (write, move into place, ``last``, evictions), and a
+background write that fails surfaces at the next boundary with the ledger back to what is on disk. The two-rank
+cases are in ``test_async_ddp.py``; ``kill -9`` during a background write in ``test_crash.py``."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+import lightning_ckguard.background as background
+from helpers import QUIET, FailingIO, FaultyModel
+from lightning_ckguard import FiniteGradCheckpoint
+from lightning_ckguard.staging import published_path
+
+WRITE_SECONDS = 0.25
+
+
+class SlowIO(TorchCheckpointIO):
+    """Torch checkpoint IO whose writes take ``WRITE_SECONDS``, recording writes and removals in ``events``."""
+
+    def __init__(self, events: list[tuple[str, Any]]) -> None:
+        self.events = events
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        time.sleep(WRITE_SECONDS)
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.events.append(("written", os.path.basename(published_path(str(path)))))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        self.events.append(("evicted", os.path.basename(str(path))))
+
+
+class StepEnds(Callback):
+    """Records each step's end in ``events``, and what the checkpoint directory holds then, before that step's
+    boundary (Lightning runs checkpoint callbacks after the others)."""
+
+    def __init__(self, events: list[tuple[str, Any]], dirpath: Any = None) -> None:
+        self.events = events
+        self.dirpath = dirpath
+        self.listings: dict[int, list[str]] = {}
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self.events.append(("step", trainer.global_step))
+        if self.dirpath is not None:
+            self.listings[trainer.global_step] = sorted(os.listdir(self.dirpath))
+
+
+def _fit(tmp_path, plugin: Any, callback: ModelCheckpoint, max_steps: int = 6, extra: list | None = None,
+         model: FaultyModel | None = None) -> Trainer:
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback, *(extra or [])], max_steps=max_steps, limit_val_batches=0,
+                      plugins=[plugin] if plugin is not None else None, **QUIET)
+    trainer.fit(model or FaultyModel())
+    return trainer
+
+
+def _newest_two(tmp_path, **kwargs: Any) -> dict[str, Any]:
+    return {"dirpath": tmp_path, "filename": "{step}", "monitor": "step", "mode": "max", "save_top_k": 2,
+            "save_last": True, "every_n_train_steps": 2, **kwargs}
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_boundaries_publish_in_acceptance_order_after_their_write_while_training_goes_on(tmp_path, monkeypatch,
+                                                                                      save_last):
+    events: list[tuple[str, Any]] = []
+    move = background.move_into_place
+
+    def recorded_move(staging: str, filepath: str) -> None:
+        move(staging, filepath)
+        events.append(("published", os.path.basename(filepath)))
+        assert os.path.exists(filepath)  # a link resolves: its target was published before it
+
+    monkeypatch.setattr(background, "move_into_place", recorded_move)
+    callback = FiniteGradCheckpoint(**_newest_two(tmp_path, save_last=save_last))
+    _fit(tmp_path, AsyncCheckpointIO(SlowIO(events)), callback, extra=[StepEnds(events)])
+    # the step did not wait: training reached its last step before the first write was done, three boundaries queued
+    assert events.index(("step", 6)) < events.index(("written", "step=2.ckpt"))
+    storage = [event for event in events if event[0] != "step"]
+    # each boundary: its writes, then its moves into place (`last` after the top-K file), then its evictions
+    last_written = [("written", "last.ckpt")] if save_last is True else []
+    expected: list[tuple[str, Any]] = []
+    for step, evicted in ((2, None), (4, None), (6, "step=2.ckpt")):
+        expected += [("written", f"step={step}.ckpt"), *last_written, ("published", f"step={step}.ckpt"),
+                     ("published", "last.ckpt"), *([("evicted", evicted)] if evicted else [])]
+    assert storage == expected
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert sorted(callback.best_k_models) == [str(tmp_path / "step=4.ckpt"), str(tmp_path / "step=6.ckpt")]
+
+
+def test_the_same_files_and_ledger_as_a_synchronous_fit(tmp_path):
+    callbacks = {}
+    for kind, plugin in (("sync", None), ("async", AsyncCheckpointIO())):
+        callbacks[kind] = FiniteGradCheckpoint(**_newest_two(tmp_path / kind))
+        _fit(tmp_path / kind, plugin, callbacks[kind], max_steps=8)
+    assert sorted(os.listdir(tmp_path / "sync")) == sorted(os.listdir(tmp_path / "async"))
+    states = {kind: {k: str(v).replace(str(tmp_path / kind), "") for k, v in cb.state_dict().items()}
+              for kind, cb in callbacks.items()}
+    assert states["sync"] == states["async"]
+
+
+class SlowStep(FaultyModel):
+    """Sleeps in one training step, so a background write queued before it is done when the next boundary comes."""
+
+    def __init__(self, slow_step: int) -> None:
+        super().__init__()
+        self.slow_step = slow_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == self.slow_step:
+            time.sleep(0.5)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("failing", ["step=4", "step=6"])
+def test_a_failed_background_write_raises_by_the_next_boundary_and_the_ledger_returns_to_what_is_on_disk(
+    tmp_path, failing
+):
+    """Keep-the-newest (``save_top_k=1``): the failed write's boundary would have evicted ``step=2.ckpt``. A failure
+    of step 4's write is noticed at the boundary of step 6; one of the last boundary's (step 6) at the end of
+    training. Either way the error is the write's own, nothing partial is left, and the checkpoint the failed
+    boundary would have evicted is still there and still the best.
+
+    The reproduction of issue 15: before background publication, ``FiniteGradCheckpoint`` handed an
+    ``AsyncCheckpointIO`` write the real path, as ``ModelCheckpoint`` does (the staging rename of an earlier release
+    raised ``FileNotFoundError`` instead, the write still queued): step 4's boundary evicted ``step=2.ckpt`` while
+    its own write was queued, so at step 5 the directory was empty, and this test fails there."""
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="{step}", monitor="step", mode="max", save_top_k=1,
+                                    every_n_train_steps=2)
+    steps = StepEnds([], tmp_path)
+    with pytest.raises(OSError, match="No space left on device"):
+        _fit(tmp_path, AsyncCheckpointIO(FailingIO(failing)), callback, extra=[steps],
+             model=SlowStep(slow_step=4), max_steps=6 if failing == "step=6" else 8)
+    # step 4's failure: raised at step 6's boundary (which published nothing), not later
+    assert steps.events[-1] == ("step", 6)
+    if failing == "step=4":  # after the failed write, before the next boundary: the checkpoint it would have evicted
+        assert steps.listings[5] == ["step=2.ckpt"]
+    expected = ["step=2.ckpt"] if failing == "step=4" else ["step=4.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == expected
+    assert list(callback.best_k_models) == [str(tmp_path / expected[0])]
+    assert callback.best_model_path == str(tmp_path / expected[0])
+    assert callback.last_model_path == ""
+
+
+def test_model_checkpoint_with_async_checkpoint_io_loses_the_evicted_checkpoint_when_the_write_fails(tmp_path):
+    """The control: plain ``ModelCheckpoint`` evicts while the new checkpoint is still queued; when the write fails,
+    both are gone: until the next boundary there is no checkpoint at all, while its ledger names the missing one."""
+    callback = ModelCheckpoint(dirpath=tmp_path, filename="{step}", monitor="step", mode="max", save_top_k=1,
+                               every_n_train_steps=2)
+    steps = StepEnds([], tmp_path)
+    with pytest.raises(OSError, match="No space left on device"):
+        _fit(tmp_path, AsyncCheckpointIO(FailingIO("step=4")), callback, extra=[steps], model=SlowStep(slow_step=4),
+             max_steps=8)
+    assert steps.listings[5] == []
+
+
+class OwnIO(TorchCheckpointIO):
+    """A user's own checkpoint IO that takes ``storage_options`` (``TorchCheckpointIO`` refuses them)."""
+
+    def __init__(self) -> None:
+        self.options: list[Any] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.options.append(storage_options)
+        super().save_checkpoint(checkpoint, path)
+
+
+@pytest.mark.parametrize("kind", ["own", "async over own"])
+def test_other_checkpoint_io_plugins_keep_working_with_storage_options(tmp_path, kind):
+    own = OwnIO()
+    plugin = own if kind == "own" else AsyncCheckpointIO(own)
+    callback = FiniteGradCheckpoint(**_newest_two(tmp_path))
+    trainer = _fit(tmp_path, plugin, callback)
+    trainer.save_checkpoint(tmp_path / "manual.ckpt", storage_options={"compress": False})
+    trainer.strategy.checkpoint_io.teardown()  # AsyncCheckpointIO: wait for its thread
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "manual.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    assert own.options[-1] == {"compress": False}
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 6
