@@ -63,8 +63,8 @@ class Rewind:
             the previous rewind and is not replayed (``None`` if none).
         epochs: ``trainer.current_epoch`` where the skipped range starts (at the checkpoint's boundary or the
             previous rewind: the first skipped batch may belong to the epoch after it) and at the rejected boundary.
-        ranks, first_step, last_step, num_steps, parameters, skipped_steps: The rejection's report (see
-            :class:`~lightning_ckguard.report.BoundaryReport`).
+        ranks, first_step, last_step, num_steps, parameters, skipped_steps, non_finite_state: The rejection's
+            report (see :class:`~lightning_ckguard.report.BoundaryReport`).
     """
 
     number: int
@@ -81,10 +81,12 @@ class Rewind:
     num_steps: int
     parameters: tuple[str, ...]
     skipped_steps: int
+    non_finite_state: tuple[tuple[int, str], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values."""
+        """Plain JSON-able values (what ``json.loads`` of its log line gives back)."""
         values = asdict(self)
+        values["non_finite_state"] = [list(entry) for entry in self.non_finite_state]
         return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}
 
     def describe(self) -> str:
@@ -172,6 +174,7 @@ class RewindLog:
             num_steps=report.num_steps,
             parameters=report.parameters,
             skipped_steps=report.skipped_steps,
+            non_finite_state=report.non_finite_state,
         )
         self.rewinds.append(record)
         self._window_start = now

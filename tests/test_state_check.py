@@ -238,3 +238,17 @@ def test_buffers_non_finite_by_design_are_constants_not_divergence(tmp_path, cap
         model.bn.running_mean[0] = float("nan")
     verdict = guard.agree(state={"model": model})
     assert verdict.non_finite_state == ((0, "model: buffer bn.running_mean"),)
+
+
+def test_a_rewind_restores_state_the_check_rejected(tmp_path):
+    seed_everything(0)
+    checkpoint = _periodic(tmp_path, on_non_finite="rewind")
+    poison = PoisonBuffer(checkpoint, step=4)
+    trainer = Trainer(callbacks=[poison, checkpoint], max_steps=8, limit_val_batches=0, **QUIET)
+    model = BatchNormModel()
+    trainer.fit(model, train_dataloaders=_batch_norm_data())
+    (rewind,) = checkpoint.rewinds
+    assert rewind.non_finite_state == ((0, "buffer bn.running_var"),) and rewind.num_steps == 0
+    assert os.path.basename(rewind.checkpoint) == "step=2.ckpt"
+    assert bool(model.bn.running_var.isfinite().all()), "the restored buffer is the published one"
+    assert trainer.global_step == 8 and "step=8.ckpt" in os.listdir(tmp_path)
