@@ -27,21 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ckguard.agreement import Verdict, all_gather_for, reach_verdict
-from lightning_ckguard.sources import GradientSource, ParameterGradients
+from lightning_ckguard.sources import GradientSource, ParameterGradients, unwrap_module
 from lightning_ckguard.state_check import StateCheck
 from lightning_ckguard.state_sources import constant_buffers, named_state
 from lightning_ckguard.window import NonFiniteWindow
-
-
-def unwrap_module(module: nn.Module) -> nn.Module:
-    """The user's own module inside Fabric's and DDP's wrappers, so reports use its parameter names."""
-    while True:
-        kind = type(module).__name__
-        inner = getattr(module, "module", None)
-        if kind in ("_FabricModule", "DistributedDataParallel") and isinstance(inner, nn.Module):
-            module = inner
-        else:
-            return module
 
 
 class GradientGuard:

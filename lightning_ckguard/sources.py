@@ -40,6 +40,17 @@ class GradientSource(Protocol):
         ...
 
 
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The user's own module inside Fabric's and DDP's wrappers, so reports use its parameter names."""
+    while True:
+        kind = type(module).__name__
+        inner = getattr(module, "module", None)
+        if kind in ("_FabricModule", "DistributedDataParallel") and isinstance(inner, nn.Module):
+            module = inner
+        else:
+            return module
+
+
 def _local_tensor(grad: Tensor) -> Tensor:
     # DTensor (FSDP2, tensor parallel): its local shard; reducing the DTensor itself would be a collective
     to_local = getattr(grad, "to_local", None)
@@ -119,4 +130,4 @@ class ParameterGradients:
         return False
 
 
-__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex"]
+__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex", "unwrap_module"]

@@ -29,6 +29,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_ckguard.sources import _local_tensor, unwrap_module
+
 #: A named local state tensor: ``("buffer bn.running_var", tensor)``.
 NamedTensor = tuple[str, Tensor]
 #: Per module (by ``id``), the names of its buffers that are non-finite by design (see :func:`constant_buffers`).
@@ -43,8 +45,7 @@ def _local(tensor: Tensor) -> Tensor:
     partition = getattr(tensor, "ds_tensor", None)  # ZeRO-3: `tensor.data` is empty outside a forward
     if isinstance(partition, Tensor):
         return partition
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
+    return _local_tensor(tensor)
 
 
 def _checkable(tensor: Any) -> bool:
@@ -195,24 +196,16 @@ def named_state(state: Any, label: str = "", constants: ConstantBuffers | None =
     names: dict[int, str] = {}
     for _, module in _walk(state, label):
         if isinstance(module, nn.Module):
-            names.update(_parameter_names(_unwrapped(module)))
+            names.update(_parameter_names(unwrap_module(module)))
     for path, value in _walk(state, label):
         if isinstance(value, nn.Module):
-            yield from module_state(_unwrapped(value), path, constants)
+            yield from module_state(unwrap_module(value), path, constants)
         elif isinstance(value, Tensor):
             local = _local(value)
             if _checkable(local):
                 yield path or "tensor", local
         elif hasattr(value, "param_groups") and hasattr(value, "state"):
             yield from optimizer_state(value, names, path or "optimizer")
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    # Fabric's and DDP's wrappers hold the user's module as `.module`; its names are the ones a person knows
-    inner = getattr(module, "module", None)
-    if type(module).__name__ in ("_FabricModule", "DistributedDataParallel") and isinstance(inner, nn.Module):
-        return _unwrapped(inner)
-    return module
 
 
 def _walk(state: Any, path: str) -> Iterator[tuple[str, Any]]:
