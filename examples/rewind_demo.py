@@ -115,9 +115,11 @@ def main() -> None:
             "...}")
     # every rank's own weights: rank 1's took the NaN step before the rewind
     everywhere = trainer.strategy.reduce_boolean_decision(finite(model), all=True)
+    # read by rank 0 alone: it removes the directory right after (another rank reading it then would find it gone)
+    listing = on_disk(dirpath) if trainer.is_global_zero else ""
     say(f"[3] finished at global step {trainer.global_step} with "
         f"{'finite weights on every rank' if everywhere else 'NaN weights on some rank'}",
-        f"    {on_disk(dirpath)}")
+        f"    {listing}")
     if trainer.is_global_zero and "CKGUARD_KEEP" not in os.environ:
         shutil.rmtree(root, ignore_errors=True)
 

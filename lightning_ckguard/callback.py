@@ -60,6 +60,8 @@ from lightning_ckguard.staging import (
     is_local,
     move_into_place,
     recover,
+    release_all_retired,
+    release_retired,
     staging_path,
     writes_directories,
 )
@@ -347,11 +349,15 @@ class GuardedCheckpoint(_CheckpointBase):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._boundary(trainer, "train end", partial(super().on_train_end, trainer, pl_module))
         self._finish_background(trainer)
+        self._release_retired_copies(trainer)  # on a failure, on_exception does it, after the background drained
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         hook = partial(super().on_exception, trainer, pl_module, exception)
-        self._boundary(trainer, "exception", hook, during_exception=True)
-        self._finish_background(trainer, during_exception=True)
+        try:
+            self._boundary(trainer, "exception", hook, during_exception=True)
+            self._finish_background(trainer, during_exception=True)
+        finally:
+            self._release_retired_copies(trainer)
 
     def _finish_background(self, trainer: pl.Trainer, during_exception: bool = False) -> None:
         """At the end of training, wait for every background write; a failure raises on every rank, as at a
@@ -380,7 +386,7 @@ class GuardedCheckpoint(_CheckpointBase):
         if self._rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
         top_k_before = set(self.best_k_models)
-        remove = partial(super()._remove_checkpoint, trainer)  # ModelCheckpoint's own: removes for real
+        remove = partial(self._evict, trainer)
         try:
             outcome = run_boundary(
                 self,
@@ -596,6 +602,8 @@ class GuardedCheckpoint(_CheckpointBase):
         """``ModelCheckpoint._save_checkpoint``, publishing atomically: every rank writes into a staging sibling
         (Lightning's own write path, unchanged), and rank 0 moves it into place once all ranks are done."""
         staging = staging_path(filepath)
+        if trainer.is_global_zero:
+            release_retired(filepath)  # the copy the last replacement kept: at most two copies of a name at a time
         try:
             # ends with Lightning's post-save barrier; a failure on any rank raises on every rank (the seal)
             trainer.save_checkpoint(staging, self.save_weights_only)
@@ -679,7 +687,21 @@ class GuardedCheckpoint(_CheckpointBase):
         if transaction is not None:
             transaction.defer_removal(filepath)  # only once every write of the boundary succeeded
         else:
-            super()._remove_checkpoint(trainer, filepath)
+            self._evict(trainer, filepath)
+
+    def _evict(self, trainer: pl.Trainer, filepath: str) -> None:
+        """``ModelCheckpoint``'s own removal, for real, and the retired copy an earlier replacement of the name kept
+        (else a crash before the fit ends would have recovery restore the evicted checkpoint)."""
+        super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero and is_local(self._fs):
+            release_retired(filepath)
+
+    def _release_retired_copies(self, trainer: pl.Trainer) -> None:
+        """Once nothing is being published any more in this fit, rank 0 removes the replaced directories it kept for
+        readers (:mod:`~lightning_ckguard.staging`), leaving the files ``ModelCheckpoint`` would. Not after a
+        rejection: that changes nothing on disk, hidden entries included (the next fit's recovery removes them)."""
+        if self._rejection is None and trainer.is_global_zero and self.dirpath is not None and is_local(self._fs):
+            release_all_retired(str(self.dirpath))
 
     @property
     def state_key(self) -> str:

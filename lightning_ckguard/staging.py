@@ -13,9 +13,14 @@ How the move replaces what is there (:func:`move_into_place`):
 - a file or a link: one ``os.replace``, so the name is never absent;
 - a directory, on Linux where the checkpoint's own filesystem supports ``renameat2(RENAME_EXCHANGE)`` (ext4, xfs,
   btrfs, tmpfs; probed once per filesystem): the new and the old directory swap names in one step, so the name is
-  never absent either; the old one is then renamed to a retired name and removed;
-- a directory elsewhere (NFS, other systems): the old one is renamed aside first, then the new one moved in; between
-  the two renames the name is briefly absent, with the old checkpoint recoverable.
+  never absent either; the old one is then renamed to a retired name;
+- a directory elsewhere (NFS, other systems): the old one is renamed aside first, to the retired name, then the new
+  one moved in; between the two renames the name is briefly absent, with the old checkpoint recoverable.
+
+A retired directory is kept until the name is written again (:func:`release_retired`, before the next write into its
+staging sibling) or the fit ends (:func:`release_all_retired`), not removed right after the swap: a reader resolves a
+path one component at a time, and one that entered the old directory just before the swap would otherwise find its
+files being deleted under it (an empty listing, a file that vanished), though the name itself was never absent.
 
 A crash leaves at worst a staging entry (a checkpoint never published, or the old one an exchange just replaced), or
 a retired copy of the checkpoint being replaced; both are resolved by :func:`recover` when training starts again
@@ -161,22 +166,43 @@ def move_into_place(staging: str, filepath: str) -> None:
     """Publish ``staging`` as ``filepath``, replacing an existing checkpoint of that name (rank 0 only).
 
     A file or link replaces a file or link by one ``os.replace``: ``filepath`` is never absent. Where a directory is
-    involved, its entries swap names in one step where the filesystem supports it (:func:`supports_exchange`), and the
-    old one is removed afterwards; elsewhere the old checkpoint is renamed aside first, so at every instant
-    ``filepath`` is either the old complete checkpoint, absent (with the old one recoverable), or the new one.
+    involved, its entries swap names in one step where the filesystem supports it (:func:`supports_exchange`);
+    elsewhere the old checkpoint is renamed aside first, so at every instant ``filepath`` is either the old complete
+    checkpoint, absent (with the old one recoverable), or the new one. Either way the old directory is kept under its
+    retired name until :func:`release_retired` or :func:`release_all_retired`.
     """
     if not os.path.lexists(filepath) or not (_is_directory(staging) or _is_directory(filepath)):
         os.replace(staging, filepath)
         return
     retired = _retired_path(filepath)
-    _remove(retired)
+    _remove(retired)  # normally released already, before this write began
     if supports_exchange(os.path.dirname(os.path.abspath(filepath))):
         _exchange(staging, filepath)  # the new checkpoint is published; the old one is under the staging name
         os.replace(staging, retired)
     else:
         os.replace(filepath, retired)
         os.replace(staging, filepath)
-    _remove(retired)
+    # the old directory stays, retired, for readers already inside it (module docstring)
+
+
+def release_retired(filepath: str) -> None:
+    """Remove the retired copy of ``filepath`` that :func:`move_into_place` kept, if any (rank 0 only): before the
+    next write of that name, so that at most two copies of it exist at any time, and when it is evicted."""
+    _remove(_retired_path(filepath))
+
+
+def release_all_retired(dirpath: str) -> list[str]:
+    """At the end of a fit (rank 0 only, nothing being written): remove every retired copy in ``dirpath`` whose
+    checkpoint is published, so the directory holds what ``ModelCheckpoint`` leaves. Returns the paths removed."""
+    if not os.path.isdir(dirpath):
+        return []
+    removed = []
+    for name in sorted(os.listdir(dirpath)):
+        if name.startswith(".") and name.endswith(RETIRED_SUFFIX):
+            if os.path.lexists(os.path.join(dirpath, name[1 : -len(RETIRED_SUFFIX)])):
+                _remove(os.path.join(dirpath, name))
+                removed.append(os.path.join(dirpath, name))
+    return removed
 
 
 def make_link(target: str, linkpath: str) -> None:
@@ -258,6 +284,8 @@ __all__ = [
     "move_into_place",
     "published_path",
     "recover",
+    "release_all_retired",
+    "release_retired",
     "staging_path",
     "supports_exchange",
     "writes_directories",

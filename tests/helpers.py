@@ -205,6 +205,26 @@ class CountingStrategy(SingleDeviceStrategy):
         return super().all_gather(tensor, group, sync_grads)
 
 
+class DirectoryCheckpointStrategy(SingleDeviceStrategy):
+    """A real single-device strategy that writes each checkpoint as a directory (as DeepSpeed and FSDP2 do), so
+    directory publication runs in one process."""
+
+    _save_distributed_checkpoint = True  # what marks Lightning's FSDP2 strategy as writing directories
+
+    def __init__(self) -> None:
+        super().__init__(device=torch.device("cpu"))
+        # each write's path, and the hidden entries beside it as the write began
+        self.writes: list[tuple[str, list[str]]] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.is_global_zero:
+            parent = os.path.dirname(str(filepath))
+            names = os.listdir(parent) if os.path.isdir(parent) else []
+            self.writes.append((str(filepath), sorted(n for n in names if n.startswith("."))))
+            os.makedirs(filepath, exist_ok=True)  # into an existing one, as DeepSpeed does
+            torch.save(checkpoint, os.path.join(filepath, "state.pt"))
+
+
 HOST_READS = ("_local_scalar_dense", "is_nonzero", "nonzero", "equal", "allclose")
 
 

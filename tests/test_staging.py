@@ -12,13 +12,15 @@ from lightning.pytorch import Trainer, seed_everything
 
 import lightning_ckguard.staging as staging_module
 from conftest import LAST_AT_EVERY_BOUNDARY
-from helpers import QUIET, FaultyModel
+from helpers import QUIET, DirectoryCheckpointStrategy, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.staging import (
     checkpoint_is_complete,
     move_into_place,
     published_path,
     recover,
+    release_all_retired,
+    release_retired,
     staging_path,
 )
 
@@ -41,7 +43,78 @@ def test_move_into_place_replaces_a_published_directory_whole(tmp_path):
     _checkpoint_dir(staging, "new")
     move_into_place(staging, final)
     assert _content(final) == {"new"}
+    retired = ".last.ckpt.ckguard-retired"
+    assert sorted(os.listdir(tmp_path)) == [retired, "last.ckpt"]  # the old one, kept for readers inside it
+    assert _content(tmp_path / retired) == {"old"}
+    assert release_all_retired(str(tmp_path)) == [str(tmp_path / retired)]
     assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_a_reader_inside_the_old_directory_when_it_is_replaced_still_finds_all_of_it(tmp_path, monkeypatch, exchange):
+    """A reader resolves ``last.ckpt/checkpoint/shard`` one component at a time: one that entered the old directory
+    just before the swap goes on reading there. Removing the old directory right after the swap left it an empty
+    listing (CI: a ZeRO-2 reader's failed load); it is kept until the name is written again."""
+    if not exchange:
+        monkeypatch.setattr(staging_module, "supports_exchange", lambda directory: False)
+    elif not staging_module.supports_exchange(str(tmp_path)):
+        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE)")
+    final = str(tmp_path / "last.ckpt")
+    _checkpoint_dir(final, "old")
+    inside = os.open(final, os.O_RDONLY | os.O_DIRECTORY)  # where a reader's lookup stands, mid-path
+    try:
+        _checkpoint_dir(staging_path(final), "new")
+        move_into_place(staging_path(final), final)
+        assert sorted(os.listdir(inside)) == ["shard0", "shard1"]
+        for shard in ("shard0", "shard1"):
+            with open(os.open(shard, os.O_RDONLY, dir_fd=inside)) as f:
+                assert f.read() == "old"
+        assert _content(final) == {"new"}
+        # the next write of the name releases it, so at most two copies exist at any time
+        release_retired(final)
+        assert os.listdir(inside) == []
+        assert os.listdir(tmp_path) == ["last.ckpt"]
+    finally:
+        os.close(inside)
+
+
+def _a_directory_fit(dirpath, guarded: bool) -> tuple[list[list[str]], list[tuple[str, list[str]]], list[str]]:
+    """A fit writing directory checkpoints: `last` (named per epoch) replaced at every step, one top-K checkpoint.
+    Returns the hidden entries of ``dirpath`` at every batch end, each write's path with the hidden entries as it
+    began, and the files after the fit."""
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    hidden: list[list[str]] = []
+
+    class Look(Callback):  # runs before the checkpoint callback (Lightning orders those last): the previous save's
+        def on_train_batch_end(self, *args):
+            hidden.append(sorted(n for n in os.listdir(dirpath) if n.startswith(".")) if os.path.isdir(dirpath) else [])
+
+    checkpoint_class = FiniteGradCheckpoint if guarded else ModelCheckpoint
+    checkpoint = checkpoint_class(dirpath=dirpath, every_n_train_steps=1, save_top_k=1, save_last=True)
+    checkpoint.CHECKPOINT_NAME_LAST = "last-{epoch}"
+    seed_everything(0)
+    strategy = DirectoryCheckpointStrategy()
+    trainer = Trainer(strategy=strategy, callbacks=[Look(), checkpoint], max_epochs=2, limit_train_batches=3,
+                      limit_val_batches=0, **QUIET)
+    trainer.fit(FaultyModel())
+    return hidden, strategy.writes, sorted(os.listdir(dirpath))
+
+
+def test_a_directory_fit_keeps_one_retired_copy_of_last_and_ends_with_model_checkpoints_files(tmp_path):
+    """The replaced `last` stays retired until the name is written again: never more than two copies of a name.
+    Evicting a name takes its retired copy too (else a crash would have recovery restore the evicted checkpoint),
+    and the fit ends with exactly ``ModelCheckpoint``'s files."""
+    hidden, writes, files = _a_directory_fit(str(tmp_path / "guarded"), guarded=True)
+    *_, plain_files = _a_directory_fit(str(tmp_path / "plain"), guarded=False)
+    retired_0 = [".last-epoch=0.ckpt.ckguard-retired"]
+    # batch ends 1..6, each after the previous step's save: last-epoch=0 written at steps 1-3, last-epoch=1 at 4-6
+    assert hidden == [[], [], retired_0, retired_0, [], [".last-epoch=1.ckpt.ckguard-retired"]]
+    # the retired copy goes before its name is written again; the top-K write comes first at each step
+    retired_beside = [(os.path.basename(published_path(path)), beside) for path, beside in writes]
+    assert retired_beside[4:6] == [("epoch=0-step=3.ckpt", retired_0), ("last-epoch=0.ckpt", [])]
+    assert len(writes) == 12 and all(f".{name}.ckguard-retired" not in beside for name, beside in retired_beside)
+    assert files == plain_files == ["epoch=1-step=6.ckpt", "last-epoch=1.ckpt"]
 
 
 def _recorded_renames(monkeypatch) -> list[tuple[str, ...]]:
@@ -89,11 +162,11 @@ def test_a_directory_is_swapped_in_one_exchange_where_the_filesystem_supports_it
     _checkpoint_dir(staging, "new")
     calls = _recorded_renames(monkeypatch)
     move_into_place(staging, final)
-    # published in one step; then the old directory (now under the staging name) is retired and removed
+    # published in one step; then the old directory (now under the staging name) is retired, and kept
     assert calls == [("exchange", ".last.ckpt.ckguard-staging", "last.ckpt"),
                      ("replace", ".last.ckpt.ckguard-staging", ".last.ckpt.ckguard-retired")]
     assert _content(final) == {"new"}
-    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert _content(tmp_path / ".last.ckpt.ckguard-retired") == {"old"}
 
 
 def test_without_the_exchange_a_directory_is_replaced_by_two_renames(tmp_path, monkeypatch):
@@ -107,7 +180,7 @@ def test_without_the_exchange_a_directory_is_replaced_by_two_renames(tmp_path, m
     assert calls == [("replace", "last.ckpt", ".last.ckpt.ckguard-retired"),
                      ("replace", ".last.ckpt.ckguard-staging", "last.ckpt")]
     assert _content(final) == {"new"}
-    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert _content(tmp_path / ".last.ckpt.ckguard-retired") == {"old"}
 
 
 def test_the_exchange_is_probed_once_per_filesystem_and_refused_where_unsupported(tmp_path, monkeypatch):
