@@ -56,23 +56,31 @@ def writes_directories(strategy: Any) -> bool:
     )
 
 
+def _hidden_sibling(filepath: str, suffix: str) -> str:
+    head, tail = os.path.split(filepath)
+    return os.path.join(head, f".{tail}{suffix}")
+
+
+def _hidden_for(name: str, suffix: str) -> str | None:
+    """The checkpoint name a hidden sibling ``name`` (made by :func:`_hidden_sibling` with ``suffix``) stands for,
+    or None when ``name`` is not one."""
+    return name[1 : -len(suffix)] if name.startswith(".") and name.endswith(suffix) else None
+
+
 def staging_path(filepath: str) -> str:
     """The hidden sibling that ``filepath`` is written into before it is published."""
-    head, tail = os.path.split(filepath)
-    return os.path.join(head, f".{tail}{STAGING_SUFFIX}")
+    return _hidden_sibling(filepath, STAGING_SUFFIX)
 
 
 def published_path(path: str) -> str:
     """The name a staging path is published under (any other path is returned unchanged), for messages."""
     head, tail = os.path.split(path)
-    if tail.startswith(".") and tail.endswith(STAGING_SUFFIX):
-        return os.path.join(head, tail[1 : -len(STAGING_SUFFIX)])
-    return path
+    name = _hidden_for(tail, STAGING_SUFFIX)
+    return path if name is None else os.path.join(head, name)
 
 
 def _retired_path(filepath: str) -> str:
-    head, tail = os.path.split(filepath)
-    return os.path.join(head, f".{tail}{RETIRED_SUFFIX}")
+    return _hidden_sibling(filepath, RETIRED_SUFFIX)
 
 
 def is_local(fs: Any) -> bool:
@@ -198,10 +206,10 @@ def release_all_retired(dirpath: str) -> list[str]:
         return []
     removed = []
     for name in sorted(os.listdir(dirpath)):
-        if name.startswith(".") and name.endswith(RETIRED_SUFFIX):
-            if os.path.lexists(os.path.join(dirpath, name[1 : -len(RETIRED_SUFFIX)])):
-                _remove(os.path.join(dirpath, name))
-                removed.append(os.path.join(dirpath, name))
+        checkpoint = _hidden_for(name, RETIRED_SUFFIX)
+        if checkpoint is not None and os.path.lexists(os.path.join(dirpath, checkpoint)):
+            _remove(os.path.join(dirpath, name))
+            removed.append(os.path.join(dirpath, name))
     return removed
 
 
@@ -259,12 +267,13 @@ def recover(dirpath: str) -> list[str]:
     actions: list[str] = []
     for name in sorted(os.listdir(dirpath)):
         path = os.path.join(dirpath, name)
+        retired_from = _hidden_for(name, RETIRED_SUFFIX)
         try:
-            if name.startswith(".") and name.endswith(STAGING_SUFFIX):
+            if _hidden_for(name, STAGING_SUFFIX) is not None:
                 _remove(path)
                 actions.append(f"removed the unpublished partial checkpoint {path}")
-            elif name.startswith(".") and name.endswith(RETIRED_SUFFIX):
-                original = os.path.join(dirpath, name[1 : -len(RETIRED_SUFFIX)])
+            elif retired_from is not None:
+                original = os.path.join(dirpath, retired_from)
                 if os.path.lexists(original):
                     _remove(path)
                     actions.append(f"removed {path}, replaced by {original}")

@@ -50,15 +50,20 @@ def test_move_into_place_replaces_a_published_directory_whole(tmp_path):
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
 
+def _use_exchange(exchange: bool, tmp_path, monkeypatch) -> None:
+    """Replace directories by the exchange (skipped where this filesystem has none), or by the two renames."""
+    if not exchange:
+        monkeypatch.setattr(staging_module, "supports_exchange", lambda directory: False)
+    elif not staging_module.supports_exchange(str(tmp_path)):
+        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE)")
+
+
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 def test_a_reader_inside_the_old_directory_when_it_is_replaced_still_finds_all_of_it(tmp_path, monkeypatch, exchange):
     """A reader resolves ``last.ckpt/checkpoint/shard`` one component at a time: one that entered the old directory
     just before the swap goes on reading there. Removing the old directory right after the swap left it an empty
     listing (CI: a ZeRO-2 reader's failed load); it is kept until the name is written again."""
-    if not exchange:
-        monkeypatch.setattr(staging_module, "supports_exchange", lambda directory: False)
-    elif not staging_module.supports_exchange(str(tmp_path)):
-        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE)")
+    _use_exchange(exchange, tmp_path, monkeypatch)
     final = str(tmp_path / "last.ckpt")
     _checkpoint_dir(final, "old")
     inside = os.open(final, os.O_RDONLY | os.O_DIRECTORY)  # where a reader's lookup stands, mid-path
@@ -153,32 +158,28 @@ def test_a_file_or_link_is_replaced_by_one_os_replace_so_its_name_is_never_absen
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
 
 
-def test_a_directory_is_swapped_in_one_exchange_where_the_filesystem_supports_it(tmp_path, monkeypatch):
-    if not staging_module.supports_exchange(str(tmp_path)):
-        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE)")
-    final = str(tmp_path / "last.ckpt")
-    _checkpoint_dir(final, "old")
-    staging = staging_path(final)
-    _checkpoint_dir(staging, "new")
-    calls = _recorded_renames(monkeypatch)
-    move_into_place(staging, final)
+RENAMES = {
     # published in one step; then the old directory (now under the staging name) is retired, and kept
-    assert calls == [("exchange", ".last.ckpt.ckguard-staging", "last.ckpt"),
-                     ("replace", ".last.ckpt.ckguard-staging", ".last.ckpt.ckguard-retired")]
-    assert _content(final) == {"new"}
-    assert _content(tmp_path / ".last.ckpt.ckguard-retired") == {"old"}
+    True: [("exchange", ".last.ckpt.ckguard-staging", "last.ckpt"),
+           ("replace", ".last.ckpt.ckguard-staging", ".last.ckpt.ckguard-retired")],
+    # where the exchange is missing: the old one renamed aside to the retired name, then the new one moved in
+    False: [("replace", "last.ckpt", ".last.ckpt.ckguard-retired"),
+            ("replace", ".last.ckpt.ckguard-staging", "last.ckpt")],
+}
 
 
-def test_without_the_exchange_a_directory_is_replaced_by_two_renames(tmp_path, monkeypatch):
-    monkeypatch.setattr(staging_module, "supports_exchange", lambda directory: False)
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_a_directory_is_swapped_in_one_exchange_where_the_filesystem_supports_it_else_by_two_renames(
+    tmp_path, monkeypatch, exchange
+):
+    _use_exchange(exchange, tmp_path, monkeypatch)
     final = str(tmp_path / "last.ckpt")
     _checkpoint_dir(final, "old")
     staging = staging_path(final)
     _checkpoint_dir(staging, "new")
     calls = _recorded_renames(monkeypatch)
     move_into_place(staging, final)
-    assert calls == [("replace", "last.ckpt", ".last.ckpt.ckguard-retired"),
-                     ("replace", ".last.ckpt.ckguard-staging", "last.ckpt")]
+    assert calls == RENAMES[exchange]
     assert _content(final) == {"new"}
     assert _content(tmp_path / ".last.ckpt.ckguard-retired") == {"old"}
 
