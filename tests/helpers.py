@@ -9,6 +9,8 @@ import math
 import os
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
@@ -18,6 +20,7 @@ from lightning_namespace import building_from, lightning_module, namespace
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
 from lightning_ckguard.ledger import Ledger
 
 # from `lightning.pytorch`, or from `pytorch_lightning` in a worker run with CKGUARD_TEST_LIGHTNING=pytorch_lightning
@@ -191,6 +194,38 @@ class FaultyModel(BoringModel):
 
             return CountingZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class SleepsAtStep(FaultyModel):
+    """Sleeps at the start of one global step, so a background write queued before it has finished by the next
+    boundary."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.sleep_step = step
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == self.sleep_step:
+            time.sleep(0.5)
+        return super().training_step(batch, batch_idx)
+
+
+def fit_outcome(fit: Callable[[], Any], write_errors: bool = False) -> dict[str, Any]:
+    """Run ``fit`` (a worker's ``trainer.fit``) and say how it ended, for the rank's result file: ``error`` is None,
+    a ``NonFiniteGradientError``'s fields (with ``error_type`` and ``message``), with ``write_errors`` an ``OSError``
+    or ``CheckpointWriteError`` as its type and message, or anything else as ``unexpected``, with its trace, so the
+    test shows what went wrong on which rank."""
+    outcome: dict[str, Any] = {"error": None, "error_type": None}
+    try:
+        fit()
+    except NonFiniteGradientError as error:
+        outcome.update(error=error.fields(), error_type=type(error).__name__, message=str(error))
+    except Exception as error:
+        if write_errors and isinstance(error, (OSError, CheckpointWriteError)):
+            outcome["error"] = {"type": type(error).__name__, "message": str(error)}
+        else:
+            outcome["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    return outcome
 
 
 class CountingStrategy(SingleDeviceStrategy):

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 import lightning_ckguard.background as background
-from helpers import QUIET, FailingIO, FaultyModel
+from helpers import QUIET, FailingIO, FaultyModel, SleepsAtStep
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.staging import published_path
 
@@ -108,19 +108,6 @@ def test_the_same_files_and_ledger_as_a_synchronous_fit(tmp_path):
     assert states["sync"] == states["async"]
 
 
-class SlowStep(FaultyModel):
-    """Sleeps in one training step, so a background write queued before it is done when the next boundary comes."""
-
-    def __init__(self, slow_step: int) -> None:
-        super().__init__()
-        self.slow_step = slow_step
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.global_step == self.slow_step:
-            time.sleep(0.5)
-        return super().training_step(batch, batch_idx)
-
-
 @pytest.mark.parametrize("failing", ["step=4", "step=6"])
 def test_a_failed_background_write_raises_by_the_next_boundary_and_the_ledger_returns_to_what_is_on_disk(
     tmp_path, failing
@@ -139,7 +126,7 @@ def test_a_failed_background_write_raises_by_the_next_boundary_and_the_ledger_re
     steps = StepEnds([], tmp_path)
     with pytest.raises(OSError, match="No space left on device"):
         _fit(tmp_path, AsyncCheckpointIO(FailingIO(failing)), callback, extra=[steps],
-             model=SlowStep(slow_step=4), max_steps=6 if failing == "step=6" else 8)
+             model=SleepsAtStep(4), max_steps=6 if failing == "step=6" else 8)
     # step 4's failure: raised at step 6's boundary (which published nothing), not later
     assert steps.events[-1] == ("step", 6)
     if failing == "step=4":  # after the failed write, before the next boundary: the checkpoint it would have evicted
@@ -158,7 +145,7 @@ def test_model_checkpoint_with_async_checkpoint_io_loses_the_evicted_checkpoint_
                                every_n_train_steps=2)
     steps = StepEnds([], tmp_path)
     with pytest.raises(OSError, match="No space left on device"):
-        _fit(tmp_path, AsyncCheckpointIO(FailingIO("step=4")), callback, extra=[steps], model=SlowStep(slow_step=4),
+        _fit(tmp_path, AsyncCheckpointIO(FailingIO("step=4")), callback, extra=[steps], model=SleepsAtStep(4),
              max_steps=8)
     assert steps.listings[5] == []
 

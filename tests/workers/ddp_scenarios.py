@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,6 +30,7 @@ from helpers import (  # noqa: E402
     FailingIO,
     FaultyModel,
     ModelCheckpoint,
+    fit_outcome,
     ledger_state,
     run_scenarios,
     tree_digest,
@@ -40,8 +40,6 @@ Trainer, seed_everything = lightning_module().Trainer, lightning_module().seed_e
 # Lightning 2.6 added EMAWeightAveraging: with 2.5 the EMA scenarios are not run (their test skips)
 EMAWeightAveraging = getattr(lightning_module("callbacks"), "EMAWeightAveraging", None)
 FiniteGradCheckpoint = ckguard_module().FiniteGradCheckpoint
-CheckpointWriteError = ckguard_module().CheckpointWriteError
-NonFiniteGradientError = ckguard_module().NonFiniteGradientError
 
 warnings.filterwarnings("ignore")
 DEVICES = int(os.environ.get("CKGUARD_TEST_DEVICES", "2"))  # tests/test_four_ranks.py runs a subset on 4
@@ -98,15 +96,7 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
         strategy=make_strategy("zero1" if zero1 else "ddp", timeout=TIMEOUT), devices=DEVICES, callbacks=callbacks,
         plugins=plugins, **QUIET, **trainer_kwargs
     )
-    result: dict[str, Any] = {"error": None}
-    try:
-        trainer.fit(model)
-    except NonFiniteGradientError as error:
-        result["error"] = error.fields()
-    except (OSError, CheckpointWriteError) as error:
-        result["error"] = {"type": type(error).__name__, "message": str(error)}
-    except Exception as error:  # reported, so the test shows what went wrong on which rank
-        result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    result = fit_outcome(lambda: trainer.fit(model), write_errors=True)
     result.update(
         trainer=type(trainer).__module__,  # which Lightning package this scenario ran under
         tree=tree_digest(dirpath),

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import sys
-import traceback
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -31,8 +30,8 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FaultyModel, ledger_state, run_scenarios, tree_digest  # noqa: E402
-from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
+from helpers import QUIET, FaultyModel, fit_outcome, ledger_state, run_scenarios, tree_digest  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -99,13 +98,7 @@ def run_cell(root: str, strategy: str, faulty: str, boundary: str) -> dict[str, 
         **QUIET,
         **trainer_kwargs,
     )
-    result: dict[str, Any] = {"error": None}
-    try:
-        trainer.fit(model)
-    except NonFiniteGradientError as error:
-        result["error"] = error.fields()
-    except Exception as error:  # reported, so the test shows what went wrong on which rank
-        result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    result = fit_outcome(lambda: trainer.fit(model))
     snapshot = model.snapshots.get(FAULT_STEP)
     result.update(
         # rank 0 owns the files; another rank's view may race rank 0's evictions

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import sys
-import traceback
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -24,8 +23,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from s3_server import ballast_for_a_refused_upload, environment  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FaultyModel, ledger_state, run_scenarios  # noqa: E402
-from lightning_ckguard import CheckpointWriteError, FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
+from helpers import QUIET, FaultyModel, fit_outcome, ledger_state, run_scenarios  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -84,15 +83,8 @@ def _fit(url: str, model: FaultyModel, observe: Observe | None = None, ckpt_path
     callback = FiniteGradCheckpoint(dirpath=url, **callback_kwargs)
     trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, max_steps=8, limit_val_batches=0,
                       callbacks=[callback, *([observe] if observe else [])], **QUIET)
-    result: dict[str, Any] = {"error": None}
     try:
-        trainer.fit(model, ckpt_path=ckpt_path)
-    except NonFiniteGradientError as error:
-        result["error"] = error.fields()
-    except (OSError, CheckpointWriteError) as error:
-        result["error"] = {"type": type(error).__name__, "message": str(error)}
-    except Exception as error:  # reported, so the test shows what went wrong on which rank
-        result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+        result = fit_outcome(lambda: trainer.fit(model, ckpt_path=ckpt_path), write_errors=True)
     finally:
         if observe is not None:
             observe.answer_again()

@@ -39,7 +39,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FailingIO, FaultyModel, ledger_state, run_scenarios  # noqa: E402
+from helpers import QUIET, FailingIO, FaultyModel, SleepsAtStep, ledger_state, run_scenarios  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -62,19 +62,6 @@ class BestFile(Callback):
             with open(self.path + ".tmp", "w") as f:
                 f.write(best)
             os.replace(self.path + ".tmp", self.path)
-
-
-class SleepsAtStep(FaultyModel):
-    """Sleeps at the start of one step, so a background write queued before it has finished by the next boundary."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.sleep_step = step
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.global_step == self.sleep_step:
-            time.sleep(0.5)
-        return super().training_step(batch, batch_idx)
 
 
 def _trainer(strategy: str, callbacks: list, max_steps: int, plugins: list | None = None) -> Trainer:

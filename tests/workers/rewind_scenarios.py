@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -38,8 +37,8 @@ from rewind_helpers import checkpoint_loads_finite, compare_with_checkpoint  # n
 from sharded_helpers import ShardedFaultModel, weights_finite  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FaultyModel, ledger_state, run_scenarios  # noqa: E402
-from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
+from helpers import QUIET, FaultyModel, fit_outcome, ledger_state, run_scenarios  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 from lightning_ckguard.rewind import REWIND_LOG_NAME  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -136,16 +135,9 @@ def run(root: str, name: str, kind: str, fault_steps: tuple[int, ...], max_steps
     quiet = {**QUIET, "logger": logger}
     trainer = Trainer(strategy=strategy, devices=2, precision=precision,  # type: ignore[arg-type]
                       callbacks=callbacks, max_steps=max_steps, limit_val_batches=0, **quiet)
-    result: dict[str, Any] = {"error": None, "error_type": None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            trainer.fit(model, ckpt_path=ckpt_path)
-        except NonFiniteGradientError as error:
-            result["error"], result["error_type"] = error.fields(), type(error).__name__
-            result["message"] = str(error)
-        except Exception as error:  # reported, so the test shows what went wrong on which rank
-            result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+        result = fit_outcome(lambda: trainer.fit(model, ckpt_path=ckpt_path))
     result["warnings"] = [str(w.message) for w in caught if "Rewound in place" in str(w.message)]
     result.update(
         global_step=trainer.global_step,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,8 +32,8 @@ from sharded_helpers import (  # noqa: E402
 )
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, ledger_state, run_scenarios, tree_digest  # noqa: E402
-from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
+from helpers import QUIET, fit_outcome, ledger_state, run_scenarios, tree_digest  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -111,13 +110,7 @@ def run(
         **QUIET,
         **trainer_kwargs,
     )
-    result: dict[str, Any] = {"error": None}
-    try:
-        trainer.fit(model, ckpt_path=ckpt_path)
-    except NonFiniteGradientError as error:
-        result["error"] = error.fields()
-    except Exception as error:  # reported, so the test shows what went wrong on which rank
-        result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    result = fit_outcome(lambda: trainer.fit(model, ckpt_path=ckpt_path))
     result.update(
         tree=tree_digest(dirpath) if trainer.global_rank == 0 else None,  # rank 0 owns the files (see the model)
         state=ledger_state(callback),

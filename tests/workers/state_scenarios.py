@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -33,8 +32,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 from torch import nn  # noqa: E402
 
-from helpers import QUIET, ledger_state, run_scenarios, tree_digest  # noqa: E402
-from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
+from helpers import QUIET, fit_outcome, ledger_state, run_scenarios, tree_digest  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -134,14 +133,7 @@ def run(kind: str, out: str) -> dict[str, Any]:
     strategy = make_strategy(STRATEGY[kind], timeout=TIMEOUT, precision=precision, check_grad_overflow=False)
     trainer = Trainer(strategy=strategy, devices=2, precision=precision, callbacks=callbacks,  # type: ignore[arg-type]
                       max_steps=8, limit_val_batches=0, **QUIET)
-    result: dict[str, Any] = {"error": None}
-    try:
-        trainer.fit(StateModel(kind))
-    except NonFiniteGradientError as error:
-        result["error"] = error.fields()
-        result["message"] = str(error)
-    except Exception as error:
-        result["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    result = fit_outcome(lambda: trainer.fit(StateModel(kind)))
     result.update(
         snapshot=probe.snapshot,
         tree=tree_digest(dirpath) if trainer.global_rank == 0 else None,
