@@ -83,8 +83,111 @@ class PublicationUnit:
         self.publications.append(_Operation("publish", linkpath, link_and_move, staging))
 
     def evict(self, path: str, remove: Callable[[str], None]) -> None:
-        """Remove ``path`` (with ``remove``) once the unit has published everything."""
-        self.evictions.append(_Operation("evict", path, lambda: remove(path)))
+        """Remove ``path`` (with ``remove``) once the unit has published everything; never a name the unit itself
+        published (that is the new checkpoint, not an eviction)."""
+        published = {op.path for op in self.publications}
+        self.evictions.append(_Operation("evict", path, lambda: None if path in published else remove(path)))
+
+
+@dataclass
+class _ExpectedWrite:
+    staging: str
+    reached: bool = False
+    error: BaseException | None = None
+
+
+class PluginWrites:
+    """Stands in, for one fit, for the base checkpoint IO of a Trainer's ``AsyncCheckpointIO`` (the plugin's
+    ``checkpoint_io``), so that the plugin itself is called exactly as ``ModelCheckpoint`` calls it.
+
+    The callback calls ``trainer.save_checkpoint`` with the real path and ``ModelCheckpoint``'s removals go through
+    the strategy as usual: the plugin's own ``save_checkpoint`` and ``remove_checkpoint`` (a subclass's overrides too)
+    run once each, with the same arguments, in the same order. Underneath, where the plugin hands the work to its base
+    IO, a guarded boundary's write lands in the name's staging sibling (on the plugin's own thread), and a removal
+    waits in the boundary's :class:`PublicationUnit` until everything the unit publishes is in place. Every other
+    call (other callbacks' saves, manual saves, loads) passes through unchanged.
+
+    A subclass whose ``save_checkpoint`` does its own I/O instead of calling ``super()`` writes wherever it writes:
+    that checkpoint is not staged, and is published when the override wrote it. One whose ``remove_checkpoint``
+    deletes by itself deletes at once, before the replacement is published.
+    """
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.base = plugin.checkpoint_io  # the plugin's own base IO (Lightning's TorchCheckpointIO, or the user's)
+        self.unit: PublicationUnit | None = None  # the accepted boundary running now, whose removals wait
+        self._expected: dict[str, _ExpectedWrite] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def install(cls, plugin: Any) -> PluginWrites:
+        """Put a :class:`PluginWrites` under ``plugin`` (an ``AsyncCheckpointIO``), once."""
+        current = plugin._checkpoint_io  # the attribute behind `checkpoint_io`, whose setter never replaces
+        if isinstance(current, cls):
+            return current
+        writes = cls(plugin)
+        plugin._checkpoint_io = writes
+        return writes
+
+    def uninstall(self) -> None:
+        """Give the plugin its own base IO back (after every write of the fit ran)."""
+        if self.plugin._checkpoint_io is self:
+            self.plugin._checkpoint_io = self.base
+
+    def expect(self, filepath: str) -> _ExpectedWrite:
+        """The plugin is about to be asked to write ``filepath``: its base write goes into the staging sibling."""
+        expected = _ExpectedWrite(staging_path(filepath))
+        with self._lock:
+            self._expected[str(filepath)] = expected
+        return expected
+
+    def waiter(self, filepath: str, expected: _ExpectedWrite) -> Callable[[], None]:
+        """What the unit runs in place of the write: wait until the plugin's thread has run everything queued so far
+        (so this write too), then raise the write's error, if any. A write the plugin never handed to its base IO
+        (an override that writes by itself) leaves nothing in staging, so the unit has nothing to publish."""
+        executor = getattr(self.plugin, "_executor", None)  # AsyncCheckpointIO's one worker: first in, first out
+        queued = executor.submit(lambda: None) if executor is not None else None
+
+        def wait() -> None:
+            if queued is not None:
+                queued.result()
+            with self._lock:
+                if self._expected.get(str(filepath)) is expected:
+                    del self._expected[str(filepath)]
+            if expected.error is not None:
+                raise expected.error
+
+        return wait
+
+    def forget(self, filepath: str) -> None:
+        """The save failed before the plugin queued anything."""
+        with self._lock:
+            self._expected.pop(str(filepath), None)
+
+    # the checkpoint IO the plugin sees
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        with self._lock:
+            expected = self._expected.get(str(path))
+        if expected is None:
+            self.base.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        expected.reached = True
+        try:
+            self.base.save_checkpoint(checkpoint, expected.staging, storage_options=storage_options)
+        except BaseException as error:  # raised on every rank by the unit, not by the plugin at its next save
+            expected.error = error
+
+    def remove_checkpoint(self, path: Any) -> None:
+        unit = self.unit
+        if unit is None:
+            self.base.remove_checkpoint(path)
+        else:
+            unit.evict(str(path), self.base.remove_checkpoint)
+
+    def __getattr__(self, name: str) -> Any:  # load_checkpoint, teardown, anything else of the base IO
+        if name in ("base", "plugin"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
 
 @dataclass(frozen=True)
@@ -236,4 +339,4 @@ class BackgroundPublisher:
             self._executor = None
 
 
-__all__ = ["BackgroundFailure", "BackgroundPublisher", "PublicationUnit"]
+__all__ = ["BackgroundFailure", "BackgroundPublisher", "PluginWrites", "PublicationUnit"]

@@ -30,16 +30,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_ckguard._distributed import barrier, broadcast_value
 from lightning_ckguard._validation import unwritable_dirpath_error, validate_arguments
 from lightning_ckguard.agreement import Verdict
-from lightning_ckguard.background import BackgroundPublisher, PublicationUnit
+from lightning_ckguard.background import BackgroundPublisher, PluginWrites, PublicationUnit
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
+from lightning_ckguard.held_metrics import HeldMetrics
 from lightning_ckguard.ledger import Ledger
 from lightning_ckguard.publication import BoundaryTransaction, active_transaction, run_boundary
 from lightning_ckguard.remote import (
@@ -51,7 +51,7 @@ from lightning_ckguard.remote import (
 )
 from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.rewind import DEFAULT_MAX_REWINDS, Position, Rewind, RewindLog
-from lightning_ckguard.seal import PublicationSeal, _replaced, agree_on_write
+from lightning_ckguard.seal import PublicationSeal, agree_on_write
 from lightning_ckguard.skips import scaler_skip_flag
 from lightning_ckguard.source_selection import gradient_source_for
 from lightning_ckguard.staging import (
@@ -106,7 +106,7 @@ def _package_of(module: str) -> str | None:
 
 #: Attributes that only mean something while a fit runs (a Trainer, a module's gradient source, this boundary's vote):
 #: not part of the callback's value, so a pickled or deep-copied callback leaves them out.
-_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote", "_rewind_log", "_background", "_unit")
+_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote", "_rewind_log", "_background", "_unit", "_plugin_writes")
 
 
 if TYPE_CHECKING:
@@ -219,6 +219,7 @@ class GuardedCheckpoint(_CheckpointBase):
         # the boundary running now (see lightning_ckguard.background)
         self._background: BackgroundPublisher | None = None
         self._unit: PublicationUnit | None = None
+        self._plugin_writes: PluginWrites | None = None  # under the AsyncCheckpointIO, chosen at setup
 
     @property
     def rejection(self) -> NonFiniteGradientError | None:
@@ -257,6 +258,8 @@ class GuardedCheckpoint(_CheckpointBase):
         self._trainer = trainer
         self._background = None
         PublicationSeal.install(trainer, self)
+        plugin = trainer.strategy.checkpoint_io
+        self._plugin_writes = PluginWrites.install(plugin) if self._saves_in_background(trainer, plugin) else None
         if trainer.is_global_zero and self.dirpath is not None and is_local(self._fs):
             for action in recover(str(self.dirpath)):  # what a crash during an earlier publication left behind
                 rank_zero_warn(f"FiniteGradCheckpoint {action}.")
@@ -283,6 +286,10 @@ class GuardedCheckpoint(_CheckpointBase):
             PublicationSeal.uninstall(trainer, self)
         if self._background is not None:  # every unit has run by now (train end, or the exception)
             self._background.close()
+        if self._plugin_writes is not None:
+            self._plugin_writes.uninstall()
+            self._plugin_writes = None
+        _flush_held_metrics(trainer, uninstall=True)  # what a fit without a train end (validate) still holds
         self._trainer = None
         self._guard = None
 
@@ -307,9 +314,10 @@ class GuardedCheckpoint(_CheckpointBase):
     def _new_guard(self, trainer: pl.Trainer, source: Any = None) -> GradientGuard:
         """A guard for ``trainer``'s module; buffers that are non-finite by design now (a ``-inf`` attention mask), in
         the module and in averaged copies, are left out of its state check, with an info line naming them."""
-        guard = GradientGuard(trainer.lightning_module, count_skipped_steps=self.count_skipped_steps, source=source,
+        module = trainer.lightning_module  # None on a Trainer driven by hand: nothing recorded, nothing to check
+        guard = GradientGuard(module, count_skipped_steps=self.count_skipped_steps, source=source,
                               device=trainer.strategy.root_device)
-        constants = sorted(guard.note_constant_buffers(trainer.lightning_module))
+        constants = sorted(guard.note_constant_buffers(module)) if module is not None else []
         for callback in getattr(trainer, "callbacks", ()):  # set by Lightning's callback connector
             averaged = averaged_weights(callback)
             if averaged is not None:
@@ -350,6 +358,7 @@ class GuardedCheckpoint(_CheckpointBase):
         self._boundary(trainer, "train end", partial(super().on_train_end, trainer, pl_module))
         self._finish_background(trainer)
         self._release_retired_copies(trainer)  # on a failure, on_exception does it, after the background drained
+        _flush_held_metrics(trainer)  # nothing of Lightning's is logged after this hook
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         hook = partial(super().on_exception, trainer, pl_module, exception)
@@ -358,6 +367,7 @@ class GuardedCheckpoint(_CheckpointBase):
             self._finish_background(trainer, during_exception=True)
         finally:
             self._release_retired_copies(trainer)
+            _flush_held_metrics(trainer)  # before Lightning finalizes the loggers
 
     def _finish_background(self, trainer: pl.Trainer, during_exception: bool = False) -> None:
         """At the end of training, wait for every background write; a failure raises on every rank, as at a
@@ -401,6 +411,8 @@ class GuardedCheckpoint(_CheckpointBase):
         finally:
             self._vote = None  # the top-K vote belongs to this boundary: the next one takes its own
             self._unit = None
+            if self._plugin_writes is not None:
+                self._plugin_writes.unit = None
         if outcome == "rejected":
             self._reject(trainer, during_exception)
         elif outcome == "published":
@@ -427,20 +439,27 @@ class GuardedCheckpoint(_CheckpointBase):
             raise failure.error
         if verdict.accepted:
             self._unit = background.open_unit(transaction.before)
+            assert self._plugin_writes is not None
+            self._plugin_writes.unit = self._unit  # the plugin's removals of this boundary wait in its unit
         return verdict.accepted
 
-    def _background_publisher(self, trainer: pl.Trainer) -> BackgroundPublisher | None:
-        """The background publisher when this Trainer saves through Lightning's ``AsyncCheckpointIO`` (over its
-        ``TorchCheckpointIO``) single files on a local filesystem, else None: every write is synchronous. Strategies
-        that write directories (DeepSpeed, distributed checkpoints) do so themselves, synchronously."""
-        checkpoint_io = trainer.strategy.checkpoint_io
-        if not (
-            isinstance(checkpoint_io, self._lightning.async_checkpoint_io)
-            and isinstance(checkpoint_io.checkpoint_io, self._lightning.torch_checkpoint_io)  # type: ignore[attr-defined]
+    def _saves_in_background(self, trainer: pl.Trainer, plugin: Any) -> bool:
+        """Whether this fit publishes in the background: the Trainer saves through Lightning's ``AsyncCheckpointIO``
+        (a subclass too) over a ``TorchCheckpointIO``, single files on a local filesystem. Otherwise every write is
+        synchronous; strategies that write directories (DeepSpeed, distributed checkpoints) do so themselves."""
+        return (
+            isinstance(plugin, self._lightning.async_checkpoint_io)
+            and isinstance(plugin.checkpoint_io, self._lightning.torch_checkpoint_io)  # type: ignore[attr-defined]
+            and hasattr(plugin, "_checkpoint_io")
             and not writes_directories(trainer.strategy)
             and PublicationSeal.writes_through_lightning(trainer)
+            and self.dirpath is not None
             and is_local(self._fs)
-        ):
+        )
+
+    def _background_publisher(self, trainer: pl.Trainer) -> BackgroundPublisher | None:
+        """The background publisher of a fit that publishes in the background (chosen at setup), else None."""
+        if self._plugin_writes is None:
             return None
         if self._background is None:
             self._background = BackgroundPublisher()
@@ -461,15 +480,13 @@ class GuardedCheckpoint(_CheckpointBase):
         return verdict
 
     def _log_metrics(self, trainer: pl.Trainer, report: BoundaryReport) -> None:
-        # plain Python numbers from the verdict: no device read, no collective; loggers write on rank zero only
-        metrics = {
+        # plain Python numbers from the verdict: no device read, no collective; they ride in Lightning's next flush
+        _hold_metrics(trainer, {
             "ckguard/accepted": float(self._counts["accepted"]),
             "ckguard/rejected": float(self._counts["rejected"]),
             "ckguard/non_finite_steps": float(report.num_steps),
             "ckguard/skipped_steps": float(report.skipped_steps),
-        }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        })
 
     def _reject(self, trainer: pl.Trainer, during_exception: bool) -> None:
         # the boundary's name is in the report that _agree just made
@@ -520,8 +537,7 @@ class GuardedCheckpoint(_CheckpointBase):
             f"fit): {rewind.describe()}; training goes on with the next batch, at global step {rewind.global_step}."
             + (f" Logged to {rewind_log.log_path}." if rewind_log.log_path else "")
         )
-        for logger in trainer.loggers:
-            logger.log_metrics({"ckguard/rewinds": float(rewind.number)}, step=trainer.global_step)
+        _hold_metrics(trainer, {"ckguard/rewinds": float(rewind.number)})
 
     # ------------------------------------------------------------------ writes outside our boundaries
 
@@ -626,23 +642,22 @@ class GuardedCheckpoint(_CheckpointBase):
                 logger.after_save_checkpoint(proxy(self))
 
     def _save_in_background(self, trainer: pl.Trainer, filepath: str, unit: PublicationUnit) -> None:
-        """``ModelCheckpoint._save_checkpoint`` with ``AsyncCheckpointIO``: the checkpoint is collected as usual on
-        every rank (Lightning's save, the seal's agreement on a failure), and where ``AsyncCheckpointIO`` would queue
-        its write, a snapshot of it (the tensors cloned now, as ``AsyncCheckpointIO`` does) joins ``unit`` instead:
-        written into the staging sibling by ``AsyncCheckpointIO``'s own base checkpoint IO on the background thread,
-        then moved into place, before the unit's links and evictions."""
-        staging = staging_path(filepath)
-        checkpoint_io = trainer.strategy.checkpoint_io
-        base = checkpoint_io.checkpoint_io  # type: ignore[attr-defined]  # an AsyncCheckpointIO's
-
-        def write_later(checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-            snapshot = apply_to_collection(checkpoint, Tensor, _point_in_time_copy)
-            unit.write(str(path), partial(base.save_checkpoint, snapshot, path, storage_options=storage_options))
-
-        with _replaced(checkpoint_io, "save_checkpoint", write_later):
-            trainer.save_checkpoint(staging, self.save_weights_only)  # a failure on any rank raises on every rank
-        if trainer.is_global_zero:
-            unit.publish(staging, filepath)
+        """``ModelCheckpoint._save_checkpoint`` with ``AsyncCheckpointIO``: the checkpoint is collected on every rank
+        and handed to the plugin exactly as ``ModelCheckpoint`` hands it (the plugin snapshots the tensors and queues
+        the write on its own thread); underneath the plugin, the write lands in the staging sibling
+        (:class:`~lightning_ckguard.background.PluginWrites`). The boundary's unit waits for that write, then moves it
+        into place, before the unit's links and evictions."""
+        writes = self._plugin_writes
+        assert writes is not None
+        expected = writes.expect(filepath) if trainer.is_global_zero else None  # rank 0 calls the plugin
+        try:
+            trainer.save_checkpoint(filepath, self.save_weights_only)  # a failure on any rank raises on every rank
+        except BaseException:
+            writes.forget(filepath)
+            raise
+        if expected is not None:
+            unit.write(expected.staging, writes.waiter(filepath, expected))
+            unit.publish(expected.staging, filepath)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero:  # as ModelCheckpoint with AsyncCheckpointIO: the write may still be running
@@ -684,9 +699,11 @@ class GuardedCheckpoint(_CheckpointBase):
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         transaction = self._own_transaction()
-        if transaction is not None:
+        if transaction is not None and self._unit is None:
             transaction.defer_removal(filepath)  # only once every write of the boundary succeeded
         else:
+            # outside a boundary; or in the background, where the plugin is called now, as by ModelCheckpoint, and
+            # the removal itself waits in the boundary's unit (PluginWrites)
             self._evict(trainer, filepath)
 
     def _evict(self, trainer: pl.Trainer, filepath: str) -> None:
@@ -832,8 +849,20 @@ def link_in_boundary(link: Callable[[Any, str, str], None], trainer: Any, filepa
         move_into_place(staging, linkpath)
 
 
-def _point_in_time_copy(tensor: Tensor) -> Tensor:
-    return tensor.detach().clone()
+def _hold_metrics(trainer: Any, values: dict[str, float]) -> None:
+    held = HeldMetrics.on(trainer)
+    if held is not None:
+        held.hold(values)
+
+
+def _flush_held_metrics(trainer: Any, uninstall: bool = False) -> None:
+    """Log the held ``ckguard/*`` values no flush of Lightning's carried (once, at the end of a fit)."""
+    held = HeldMetrics.on(trainer)
+    if held is None:
+        return
+    held.flush_remaining()
+    if uninstall:
+        held.uninstall()
 
 
 class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):

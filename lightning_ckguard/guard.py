@@ -38,7 +38,9 @@ class GradientGuard:
 
     Args:
         module: The model whose parameters are watched. Parameter names come from ``module.named_parameters()``;
-            Fabric's and DDP's wrappers are looked through, so names are those of your own module.
+            Fabric's and DDP's wrappers are looked through, so names are those of your own module. ``None`` (a
+            Trainer with no LightningModule attached, driven by hand in a unit test): nothing is watched, and the
+            agreement still runs.
         count_skipped_steps: Whether steps a loss scaler skipped (never applied) reject a boundary.
         source: Where local gradients are read; defaults to ``param.grad`` of ``module``.
         device: Device of the window's state; defaults to the device of ``module``'s first parameter.
@@ -46,13 +48,13 @@ class GradientGuard:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | None,
         *,
         count_skipped_steps: bool = False,
         source: GradientSource | None = None,
         device: torch.device | None = None,
     ) -> None:
-        module = unwrap_module(module)
+        module = unwrap_module(module) if module is not None else nn.Module()
         if device is None:
             first = next(module.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")

@@ -29,6 +29,7 @@ ModelCheckpoint = lightning_module("callbacks").ModelCheckpoint
 BoringModel = lightning_module("demos.boring_classes").BoringModel
 TorchCheckpointIO = lightning_module("plugins.io").TorchCheckpointIO
 SingleDeviceStrategy = lightning_module("strategies").SingleDeviceStrategy
+Logger = lightning_module("loggers").Logger
 
 
 def helpers_for(name: str) -> ModuleType:
@@ -100,6 +101,28 @@ def ledger_state(callback: ModelCheckpoint) -> dict[str, Any]:
     """The callback's whole bookkeeping as plain JSON-able values."""
     ledger = Ledger.capture(callback)
     return {name: _plain(getattr(ledger, name)) for name in ledger.__dataclass_fields__ if name != "last_time_checked"}
+
+
+class RecordingLogger(Logger):
+    """A logger that records every ``log_metrics`` call, ``(step, metrics)``, in ``calls``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
 
 
 class FaultyModel(BoringModel):
@@ -197,15 +220,15 @@ class FaultyModel(BoringModel):
 
 
 class SleepsAtStep(FaultyModel):
-    """Sleeps at the start of one global step, so a background write queued before it has finished by the next
-    boundary."""
+    """Sleeps at the start of the given global steps, so a background write queued before each has finished by the
+    next boundary."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, *steps: int) -> None:
         super().__init__()
-        self.sleep_step = step
+        self.sleep_steps = set(steps)
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.global_step == self.sleep_step:
+        if self.global_step in self.sleep_steps:
             time.sleep(0.5)
         return super().training_step(batch, batch_idx)
 

@@ -1,7 +1,9 @@
 """Asynchronous saves with Lightning's ``AsyncCheckpointIO``, in one process: the training step does not wait for the
 write, boundaries publish in the order they were accepted (write, move into place, ``last``, evictions), and a
 background write that fails surfaces at the next boundary with the ledger back to what is on disk. The two-rank
-cases are in ``test_async_ddp.py``; ``kill -9`` during a background write in ``test_crash.py``."""
+cases (a failure on rank 0 raised on both ranks, readers) are in ``test_publication_readers.py``; ``kill -9`` during a
+background write in ``test_crash.py``; the plugin's own calls against ``ModelCheckpoint``'s in
+``test_conformance.py``."""
 
 from __future__ import annotations
 
@@ -145,7 +147,9 @@ def test_model_checkpoint_with_async_checkpoint_io_loses_the_evicted_checkpoint_
                                every_n_train_steps=2)
     steps = StepEnds([], tmp_path)
     with pytest.raises(OSError, match="No space left on device"):
-        _fit(tmp_path, AsyncCheckpointIO(FailingIO("step=4")), callback, extra=[steps], model=SleepsAtStep(4),
+        # the pause at step 3 lets step 2's write finish before step 4's boundary removes it: else the removal can
+        # come first, and the write leaves the file behind afterwards
+        _fit(tmp_path, AsyncCheckpointIO(FailingIO("step=4")), callback, extra=[steps], model=SleepsAtStep(3, 4),
              max_steps=8)
     assert steps.listings[5] == []
 
@@ -172,3 +176,29 @@ def test_other_checkpoint_io_plugins_keep_working_with_storage_options(tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "manual.ckpt", "step=4.ckpt", "step=6.ckpt"]
     assert own.options[-1] == {"compress": False}
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 6
+
+
+class WritesItself(AsyncCheckpointIO):
+    """A subclass whose ``save_checkpoint`` writes the file itself, synchronously, instead of calling ``super()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved: list[str] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.saved.append(os.path.basename(str(path)))
+        TorchCheckpointIO().save_checkpoint(checkpoint, path)
+
+
+def test_an_override_that_writes_by_itself_is_published_where_it_wrote_and_nothing_waits_for_it(tmp_path):
+    """Not staged (documented): the override gets the real path and writes there; the guard's unit finds nothing in
+    staging, publishes nothing of its own, and the fit ends with ModelCheckpoint's files and ledger."""
+    results = {}
+    for cls in (ModelCheckpoint, FiniteGradCheckpoint):
+        plugin = WritesItself()
+        callback = cls(**_newest_two(tmp_path / cls.__name__))
+        _fit(tmp_path / cls.__name__, plugin, callback)
+        results[cls.__name__] = (plugin.saved, sorted(os.listdir(tmp_path / cls.__name__)),
+                                 sorted(os.path.basename(p) for p in callback.best_k_models))
+    assert results["FiniteGradCheckpoint"] == results["ModelCheckpoint"]
+    assert results["ModelCheckpoint"][1] == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]

@@ -23,9 +23,22 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conformance_helpers import ROOT, Side, differences, observe
+import torch
+from conformance_helpers import (
+    ATTRIBUTES,
+    GUARD_METRIC_PREFIX,
+    ROOT,
+    ScriptedModel,
+    Side,
+    differences,
+    normalize,
+    observe,
+)
+from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
+from helpers import QUIET, RecordingLogger
 from lightning_ckguard import FiniteGradCheckpoint
 
 #: ``val_loss`` of the i-th validation run: the top-K choices are fixed in advance.
@@ -280,4 +293,166 @@ def test_vars_survive_pickle_and_deepcopy(cls, how, configuration, tmp_path):
     # copied module is never == the original, for ModelCheckpoint as much as for any subclass.)
     callback = cls(dirpath=tmp_path, **CONFIGURATIONS[configuration])
     found = differences(vars(callback), vars(COPIES[how](callback)))
+    assert not found, "\n".join(found)
+
+
+# ------------------------------------------------------------------------- beyond a plain fit (issue 24)
+#
+# Three ways a Lightning project meets a checkpoint callback outside the plain fit above: a bare Trainer driven by
+# hand (Lightning's own unit tests of checkpoint logic), a logger whose call sequence is checked, and a user's own
+# ``AsyncCheckpointIO``. Each compares what a user observes against the installed ModelCheckpoint.
+
+#: Lightning's ``test_model_checkpoint_options``: the monitored value of each hand-driven validation end.
+BARE_LOSSES = [10.0, 9.0, 2.8, 5.0, 2.5]
+
+
+def _drive_bare_trainer(cls: type[ModelCheckpoint], root: str, **kwargs: Any) -> dict[str, Any]:
+    """A ``Trainer()`` with no LightningModule, its ``save_checkpoint`` a function that creates the file, and the
+    callback's ``on_validation_end`` called by hand once per epoch, as Lightning's own tests do."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    os.makedirs(root)
+    callback = cls(dirpath=root, filename="{epoch}", monitor="checkpoint_on", save_on_train_epoch_end=False, **kwargs)
+    trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    trainer.state.fn = TrainerFn.FITTING
+    saved: list[str] = []
+
+    def save_checkpoint(filepath: Any, *args: Any) -> None:
+        saved.append(os.path.basename(str(filepath)))
+        open(filepath, "a").close()
+
+    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    for i, loss in enumerate(BARE_LOSSES, 1):
+        # sets `trainer.global_step`
+        trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = i
+        trainer.callback_metrics.update({"checkpoint_on": torch.tensor(loss)})
+        callback.on_validation_end(trainer, trainer.lightning_module)
+        trainer.fit_loop.epoch_progress.current.completed = i  # sets `trainer.current_epoch`
+    links = {name: os.readlink(os.path.join(root, name)) for name in os.listdir(root)
+             if os.path.islink(os.path.join(root, name))}
+    observation = {
+        "files": sorted(os.listdir(root)),
+        "links": links,
+        "saved": saved,
+        "attributes": {name: getattr(callback, name, "<missing>") for name in ATTRIBUTES},
+        "state_dict": {k: v for k, v in callback.state_dict().items() if k != "ckguard_format_version"},
+    }
+    return normalize(observation, root)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(save_top_k=-1), dict(save_top_k=2, save_last=True), dict(save_top_k=1, save_last="link"),
+     dict(save_top_k=3, mode="max"), dict(save_top_k=2, save_last=True, enable_version_counter=False)],
+    ids=["all", "top2-last", "top1-link", "top3-max", "top2-last-no-version-counter"],
+)
+def test_a_bare_trainer_driven_by_hand_saves_and_evicts_as_model_checkpoint(kwargs, tmp_path):
+    plain = _drive_bare_trainer(ModelCheckpoint, str(tmp_path / "plain"), **kwargs)
+    guarded = _drive_bare_trainer(FiniteGradCheckpoint, str(tmp_path / "guarded"), **kwargs)
+    assert plain["saved"], "the case saves nothing"
+    found = differences(plain, guarded)
+    assert not found, "\n".join(found)
+
+
+MONITORED_EVERY_3_STEPS = dict(monitor="val_loss", save_top_k=2, save_last=True, every_n_train_steps=3)
+
+
+def _logger_calls(cls: type[ModelCheckpoint], root: str, model_kwargs: dict[str, Any],
+                  trainer_kwargs: dict[str, Any], callback_kwargs: dict[str, Any] = MONITORED_EVERY_3_STEPS
+                  ) -> tuple[RecordingLogger, ModelCheckpoint]:
+    seed_everything(0, verbose=False)
+    logger = RecordingLogger()
+    callback = cls(dirpath=root, **callback_kwargs)
+    trainer = Trainer(callbacks=[callback], logger=logger, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, default_root_dir=root, **trainer_kwargs)
+    trainer.fit(ScriptedModel(**model_kwargs))
+    return logger, callback
+
+
+def _without_guard_metrics(calls: list[tuple[int | None, dict[str, float]]]) -> list[tuple[int | None, Any]]:
+    return [(step, {k: v for k, v in metrics.items() if not k.startswith(GUARD_METRIC_PREFIX)})
+            for step, metrics in calls]
+
+
+LOGGED_EVERY_STEP = dict(val_values=VAL, train_values=STEPS)
+
+
+@pytest.mark.parametrize("log_every_n_steps", [1, 2, 5])
+def test_loggers_receive_the_same_calls_at_the_same_steps_with_the_guard_metrics_riding_along(
+    log_every_n_steps, tmp_path
+):
+    trainer_kwargs = dict(EPOCHS, log_every_n_steps=log_every_n_steps)
+    plain, _ = _logger_calls(ModelCheckpoint, str(tmp_path / "plain"), LOGGED_EVERY_STEP, trainer_kwargs)
+    guarded, callback = _logger_calls(FiniteGradCheckpoint, str(tmp_path / "guarded"), LOGGED_EVERY_STEP,
+                                      trainer_kwargs)
+    assert plain.calls, "the case logs nothing"
+    # the same calls, at the same steps, with the same metrics of Lightning's own
+    assert _without_guard_metrics(guarded.calls) == _without_guard_metrics(plain.calls)
+    # the guard's values rode in those calls, and the last of them counts every boundary
+    riding = [metrics for _, metrics in guarded.calls if "ckguard/accepted" in metrics]
+    assert riding
+    assert riding[-1]["ckguard/accepted"] == callback._counts["accepted"] > 0  # type: ignore[attr-defined]
+
+
+def test_a_guard_metric_with_no_flush_left_is_logged_once_at_the_end(tmp_path):
+    """A model that logs nothing gives Lightning nothing to flush: the loggers get no call from ModelCheckpoint,
+    and one call from the guard, at the end of the fit, with every value it held (none is dropped)."""
+    trainer_kwargs = dict(NO_VAL, log_every_n_steps=1)
+    every_3_steps = dict(every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    plain, _ = _logger_calls(ModelCheckpoint, str(tmp_path / "plain"), dict(), trainer_kwargs, every_3_steps)
+    guarded, callback = _logger_calls(FiniteGradCheckpoint, str(tmp_path / "guarded"), dict(), trainer_kwargs,
+                                      every_3_steps)
+    assert plain.calls == []
+    assert len(os.listdir(tmp_path / "plain")) == 5  # five boundaries, none followed by a flush
+    assert len(guarded.calls) == 1
+    (_, metrics), = guarded.calls
+    assert set(metrics) >= {"ckguard/accepted", "ckguard/rejected", "ckguard/non_finite_steps",
+                            "ckguard/skipped_steps"}
+    assert metrics["ckguard/accepted"] == callback._counts["accepted"] > 0  # type: ignore[attr-defined]
+
+
+class RecordingAsyncIO(AsyncCheckpointIO):
+    """A user's own ``AsyncCheckpointIO`` that records each call of its methods, then does what the plugin does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, ...]] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.calls.append(("save_checkpoint", os.path.basename(str(path)), storage_options,
+                           checkpoint["global_step"]))
+        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.calls.append(("remove_checkpoint", os.path.basename(str(path))))
+        super().remove_checkpoint(path)
+
+
+def _async_plugin_calls(cls: type[ModelCheckpoint], root: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    seed_everything(0, verbose=False)
+    plugin = RecordingAsyncIO()
+    callback = cls(dirpath=root, filename="{step}", monitor="step", mode="max", every_n_train_steps=2, **kwargs)
+    trainer = Trainer(callbacks=[callback], plugins=[plugin], max_steps=8, limit_val_batches=0, **QUIET)
+    trainer.fit(ScriptedModel())
+    kept = sorted(os.path.basename(path) for path in {*callback.best_k_models, callback.last_model_path} if path)
+    if cls is not ModelCheckpoint:
+        assert sorted(os.listdir(root)) == kept, "the files on disk are not the ones the ledger lists"
+    return normalize({
+        "calls": plugin.calls,
+        # what the ledger keeps: ModelCheckpoint's own files vary from run to run, as its removal races the write it
+        # queued a moment before (a file removed before it exists is written afterwards, and stays)
+        "files": kept,
+        # the clock is the real one here: the times of two fits differ
+        "attributes": {name: getattr(callback, name, "<missing>") for name in ATTRIBUTES
+                       if name != "_last_time_checked"},
+    }, root)
+
+
+# (`save_last="link"` is left out: ModelCheckpoint with AsyncCheckpointIO links before the directory exists, and fails)
+@pytest.mark.parametrize("kwargs", [dict(save_top_k=2, save_last=True), dict(save_top_k=1)], ids=["top2-last", "top1"])
+def test_a_users_own_async_checkpoint_io_is_called_exactly_as_model_checkpoint_calls_it(kwargs, tmp_path):
+    plain = _async_plugin_calls(ModelCheckpoint, str(tmp_path / "plain"), kwargs)
+    guarded = _async_plugin_calls(FiniteGradCheckpoint, str(tmp_path / "guarded"), kwargs)
+    assert [call[0] for call in plain["calls"]].count("remove_checkpoint") >= 2, "the case evicts too little"
+    found = differences(plain, guarded)
     assert not found, "\n".join(found)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+from typing import Any
 
 import pytest
 from lightning.pytorch import Trainer, seed_everything
@@ -22,29 +23,56 @@ def _metrics(log_dir: str) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(f) if row.get("ckguard/accepted")]
 
 
-def test_metrics_reach_the_csv_logger_at_every_agreed_boundary(tmp_path):
+class LoggingFaultyModel(FaultyModel):
+    """Logs its training loss every step: Lightning then flushes metrics to the loggers every ``log_every_n_steps``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"])
+        return out
+
+
+def test_metrics_ride_in_lightnings_flush_after_every_agreed_boundary(tmp_path):
+    """A boundary at the end of a training batch rides in that batch's own flush, which Lightning logs at its
+    ``_batches_that_stepped`` count (the global step less one)."""
     seed_everything(0)
     logger = CSVLogger(tmp_path / "logs")
     callback = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1,
                                     on_non_finite="skip")
     trainer = Trainer(max_steps=8, callbacks=[callback], logger=logger, **STEPS, **NO_LOGGER)
-    trainer.fit(FaultyModel(fault_steps=(5,)))
+    trainer.fit(LoggingFaultyModel(fault_steps=(5,)))
     rows = [
         (int(r["step"]), float(r["ckguard/accepted"]), float(r["ckguard/rejected"]),
-         float(r["ckguard/non_finite_steps"]), float(r["ckguard/skipped_steps"]))
+         float(r["ckguard/non_finite_steps"]), float(r["ckguard/skipped_steps"]), bool(r["train_loss"]))
         for r in _metrics(logger.log_dir)
     ]
-    assert rows == [(2, 1, 0, 0, 0), (4, 2, 0, 0, 0), (6, 2, 1, 1, 0), (8, 3, 1, 0, 0)]
+    assert rows == [(1, 1, 0, 0, 0, True), (3, 2, 0, 0, 0, True), (5, 2, 1, 1, 0, True), (7, 3, 1, 0, 0, True)]
+
+
+def test_boundaries_between_two_flushes_add_up_their_step_counts(tmp_path):
+    """With a flush every 4 steps and a boundary every 2, each row carries two boundaries: the running counts as they
+    are after the second, the non-finite steps of both."""
+    seed_everything(0)
+    logger = CSVLogger(tmp_path / "logs")
+    callback = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1,
+                                    on_non_finite="skip")
+    trainer = Trainer(max_steps=8, callbacks=[callback], logger=logger, **dict(STEPS, log_every_n_steps=4),
+                      **NO_LOGGER)
+    trainer.fit(LoggingFaultyModel(fault_steps=(1,)))
+    rows = [(int(r["step"]), float(r["ckguard/accepted"]), float(r["ckguard/rejected"]),
+             float(r["ckguard/non_finite_steps"])) for r in _metrics(logger.log_dir)]
+    assert rows == [(3, 1, 1, 1), (7, 3, 1, 0)]
 
 
 def test_a_raised_rejection_is_still_logged(tmp_path):
+    """The rejection raises before the batch's flush: its values are logged once, as the fit fails."""
     seed_everything(0)
     logger = CSVLogger(tmp_path / "logs")
     callback = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     trainer = Trainer(max_steps=8, callbacks=[callback], logger=logger, **STEPS, **NO_LOGGER)
     with pytest.raises(NonFiniteGradientError):
-        trainer.fit(FaultyModel(fault_steps=(3,)))
-    assert [(r["step"], r["ckguard/rejected"]) for r in _metrics(logger.log_dir)] == [("2", "0.0"), ("4", "1.0")]
+        trainer.fit(LoggingFaultyModel(fault_steps=(3,)))
+    assert [(r["step"], r["ckguard/rejected"]) for r in _metrics(logger.log_dir)] == [("1", "0.0"), ("3", "1.0")]
 
 
 def _host_reads(cls: type[ModelCheckpoint], steps: int, tmp_path) -> int:

@@ -32,12 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.loggers import Logger  # noqa: E402
 from rewind_helpers import checkpoint_loads_finite, compare_with_checkpoint  # noqa: E402
 from sharded_helpers import ShardedFaultModel, weights_finite  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FaultyModel, fit_outcome, ledger_state, run_scenarios  # noqa: E402
+from helpers import QUIET, FaultyModel, RecordingLogger, fit_outcome, ledger_state, run_scenarios  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 from lightning_ckguard.rewind import REWIND_LOG_NAME  # noqa: E402
 
@@ -68,28 +67,6 @@ class ShardedRewindModel(ShardedFaultModel):
         return _optimizers(self, False)
 
 
-class MemoryLogger(Logger):
-    """Keeps what is logged, per rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.metrics.append((int(step or 0), dict(metrics)))
-
-
 class RewindProbe(Callback):
     """Right after each rewind (at the next batch start, on every rank together): this rank's state against the file
     it went back to, and the loop counters, which go on."""
@@ -97,6 +74,10 @@ class RewindProbe(Callback):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self.checks: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        # a value of Lightning's own every step: its flush to the loggers carries the guard's `ckguard/*` values
+        pl_module.log("probe/global_step", float(trainer.global_step))
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         callback = trainer.checkpoint_callback
@@ -115,7 +96,7 @@ def run(root: str, name: str, kind: str, fault_steps: tuple[int, ...], max_steps
     callback = FiniteGradCheckpoint(dirpath=dirpath, monitor="step", mode="max", save_top_k=2, save_last=True,
                                     every_n_train_steps=2, filename="{step}", on_non_finite="rewind",
                                     max_rewinds=max_rewinds, **strict)
-    probe, logger = RewindProbe(kind), MemoryLogger()
+    probe, logger = RewindProbe(kind), RecordingLogger()
     callbacks: list[Any] = [probe, callback]
     if kind in SHARDED:
         precision = "32-true" if kind == "fsdp2" else "bf16-mixed"
@@ -132,7 +113,7 @@ def run(root: str, name: str, kind: str, fault_steps: tuple[int, ...], max_steps
 
         if kind == "ddp":  # the average model comes back too
             callbacks.insert(0, EMAWeightAveraging(decay=0.5))
-    quiet = {**QUIET, "logger": logger}
+    quiet = {**QUIET, "logger": logger, "log_every_n_steps": 1}
     trainer = Trainer(strategy=strategy, devices=2, precision=precision,  # type: ignore[arg-type]
                       callbacks=callbacks, max_steps=max_steps, limit_val_batches=0, **quiet)
     with warnings.catch_warnings(record=True) as caught:
@@ -145,7 +126,7 @@ def run(root: str, name: str, kind: str, fault_steps: tuple[int, ...], max_steps
         rewinds=[r.as_dict() for r in callback.rewinds],
         state=ledger_state(callback),
         last_model_path=callback.last_model_path,
-        logged_rewinds=[(step, m["ckguard/rewinds"]) for step, m in logger.metrics if "ckguard/rewinds" in m],
+        logged_rewinds=[(step, m["ckguard/rewinds"]) for step, m in logger.calls if "ckguard/rewinds" in m],
         weights_finite=weights_finite(model),
     )
     if trainer.global_rank == 0:
