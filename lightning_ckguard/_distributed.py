@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -45,6 +46,48 @@ def barrier(strategy: Any, name: str) -> None:
         strategy.barrier(name)
 
 
+def describe_error(error: BaseException) -> str:
+    """``"TypeName: message"``: how one rank's error is told to the others."""
+    return f"{type(error).__name__}: {error}"
+
+
+@dataclass(frozen=True)
+class Failures:
+    """What every rank learned, at the same point, of a step that may have failed on some ranks.
+
+    Attributes:
+        ranks: The ranks on which it failed (empty: it succeeded everywhere).
+        cause: The first failing rank's error, described (:func:`describe_error`); None when nothing failed.
+        detail: What that rank sent along with it (a path, say); None when nothing failed.
+        values: Every rank's extra integers, in rank order (what :func:`agree_on_failure` got as ``values``).
+    """
+
+    ranks: tuple[int, ...]
+    cause: str | None = None
+    detail: Any = None
+    values: tuple[tuple[int, ...], ...] = ()
+
+
+def agree_on_failure(
+    strategy: Any, failure: BaseException | None, *, values: Sequence[int] = (), detail: Any = None
+) -> Failures:
+    """Tell every rank which ranks failed, and the first one's error: one ``all_gather`` of a flag (and ``values``, a
+    few integers every rank sends alike), then, only on a failure, one broadcast from the first failing rank of its
+    description and ``detail``. The same :class:`Failures` on every rank; without peers, no collective.
+
+    The pattern behind every "it failed on some rank, so every rank raises": a rank that raised alone would leave its
+    peers waiting in the next collective.
+    """
+    rows = gather_ints(strategy, [int(failure is not None), *values])
+    failed = tuple(rank for rank, row in enumerate(rows) if row[0])
+    extra = tuple(tuple(row[1:]) for row in rows)
+    if not failed:
+        return Failures((), values=extra)
+    mine = (describe_error(failure), detail) if failure is not None else None
+    shared: tuple[str, Any] = broadcast_value(strategy, mine, src=failed[0])  # type: ignore[assignment]  # the failing rank sends it
+    return Failures(failed, shared[0], shared[1], extra)
+
+
 def _deepspeed_strategy_classes() -> tuple[type, ...]:
     # only packages already imported: a strategy of a package nobody imported cannot exist, and importing one (the
     # separate `pytorch_lightning` copy, say) would cost seconds at a save. The strategy modules import without
@@ -59,4 +102,13 @@ def is_deepspeed_strategy(strategy: Any) -> bool:
     return isinstance(strategy, _deepspeed_strategy_classes())
 
 
-__all__ = ["barrier", "broadcast_value", "gather_ints", "is_deepspeed_strategy", "is_multiprocess"]
+__all__ = [
+    "Failures",
+    "agree_on_failure",
+    "barrier",
+    "broadcast_value",
+    "describe_error",
+    "gather_ints",
+    "is_deepspeed_strategy",
+    "is_multiprocess",
+]

@@ -8,7 +8,7 @@ import tempfile
 from datetime import timedelta
 from typing import Any
 
-POLICIES = ("raise", "skip", "stop", "rewind")
+from lightning_ckguard.policy import POLICIES
 
 
 def _describe(value: Any) -> str:

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_ckguard._distributed import broadcast_value, gather_ints
+from lightning_ckguard._distributed import agree_on_failure
 from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.ledger import Ledger
 from lightning_ckguard.staging import discard, make_link, move_into_place, published_path, staging_path
@@ -240,10 +240,6 @@ class BackgroundPublisher:
         self._futures = [future for future in self._futures if not future.done()]
         self._futures.append(self._executor.submit(self._run, unit))
 
-    def pending(self) -> int:
-        """How many submitted units have not finished running."""
-        return sum(not future.done() for future in self._futures)
-
     def _run(self, unit: PublicationUnit) -> None:
         with self._lock:
             if self._failure is not None:
@@ -297,23 +293,21 @@ class BackgroundPublisher:
         """
         with self._lock:
             failure, published_through = self._failure, self._published_through
-        status = [1, failure.first_unpublished, published_through] if failure else [0, -1, published_through]
-        gathered = gather_ints(strategy, status)
-        failed = [rank for rank, (bad, _, _) in enumerate(gathered) if bad]
-        for sequence in [s for s in self._ledgers if s <= min(through for _, _, through in gathered)]:
+        first_unpublished = failure.first_unpublished if failure is not None else -1
+        found = agree_on_failure(strategy, failure.error if failure is not None else None,
+                                 values=[first_unpublished, published_through],
+                                 detail=failure.path if failure is not None else None)
+        for sequence in [s for s in self._ledgers if s <= min(through for _, through in found.values)]:
             del self._ledgers[sequence]  # published on every rank
-        if not failed:
+        if not found.ranks:
             return None
-        first_unpublished = gathered[failed[0]][1]
-        published = self._ledgers.get(first_unpublished)
-        description = f"{type(failure.error).__name__}: {failure.error}" if failure is not None else None
-        shared = broadcast_value(strategy, (failure.path if failure else "", description), src=failed[0])
+        published = self._ledgers.get(found.values[found.ranks[0]][0])
         self.wait()  # the abandoned units return at once
         with self._lock:
             self._failure = None
         self._ledgers.clear()
         error = failure.error if failure is not None else CheckpointWriteError(
-            ranks=failed, filepath=shared[0], cause=shared[1]
+            ranks=list(found.ranks), filepath=found.detail, cause=found.cause
         )
         return BackgroundFailure(error, published)
 

@@ -1,6 +1,6 @@
 """``FiniteGradCheckpoint``: ``ModelCheckpoint`` that publishes nothing a non-finite gradient has touched.
 
-The callback is deliberately thin. Each saving hook of ``ModelCheckpoint`` runs once, as one boundary
+Each saving hook of ``ModelCheckpoint`` runs once, as one boundary
 (:func:`~lightning_ckguard.publication.run_boundary`):
 
 1. the hook decides, exactly as ``ModelCheckpoint`` does; a hook that writes nothing keeps its bookkeeping and does
@@ -41,6 +41,7 @@ from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.held_metrics import HeldMetrics
 from lightning_ckguard.ledger import Ledger
+from lightning_ckguard.policy import NonFinitePolicy, Response, respond
 from lightning_ckguard.publication import BoundaryTransaction, active_transaction, run_boundary
 from lightning_ckguard.remote import (
     existed_before_write,
@@ -70,7 +71,6 @@ from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_d
 
 log = logging.getLogger(__name__)
 
-NonFinitePolicy = Literal["raise", "skip", "stop", "rewind"]
 
 _warnings = WarningCache()
 
@@ -245,6 +245,13 @@ class GuardedCheckpoint(_CheckpointBase):
     # ------------------------------------------------------------------ setup and recording
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """``ModelCheckpoint.setup``; then, on every rank: refuse a Trainer of the other Lightning package, install the
+        publication seal, choose the write path of this fit once (background publication under an
+        ``AsyncCheckpointIO``), recover what an interrupted publication left, and check that ``dirpath`` is writable.
+
+        Raises:
+            TypeError: For a Trainer of the other Lightning package (the message names the import that fits).
+        """
         if not isinstance(trainer, self._lightning.trainer):
             # `lightning.pytorch` and `pytorch_lightning` are separate copies of the same classes: a Trainer of the
             # other package would not treat this callback as a ModelCheckpoint (it adds its own), so refuse it
@@ -281,6 +288,8 @@ class GuardedCheckpoint(_CheckpointBase):
         )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Give the Trainer back its own ``save_checkpoint`` (not after a rejection: the seal stays), stop the
+        background writer, and log the ``ckguard/*`` values no flush carried."""
         # After a rejection the seal stays: no later save in this process may publish the diverged state.
         if self._rejection is None:
             PublicationSeal.uninstall(trainer, self)
@@ -294,6 +303,8 @@ class GuardedCheckpoint(_CheckpointBase):
         self._guard = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the guard for the wrapped module and its optimizers (their identities are final now) and, with
+        ``on_non_finite="rewind"``, this fit's rewind log; a new fit after a rejection starts unsealed."""
         # after the strategy wrapped the model and built the optimizers, so parameter identities are final
         source = gradient_source_for(trainer.strategy, pl_module)
         self._guard = self._new_guard(trainer, source)
@@ -333,6 +344,8 @@ class GuardedCheckpoint(_CheckpointBase):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        """Record, on the device, whether the gradients ``optimizer`` is about to apply are finite (no host sync,
+        no collective)."""
         # after backward, gradient accumulation and AMP unscaling, before clipping and the step itself
         if self._guard is not None:
             scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
@@ -343,24 +356,31 @@ class GuardedCheckpoint(_CheckpointBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
+        """Settle the step's skip outcome (DeepSpeed), then ``ModelCheckpoint``'s hook as one guarded boundary."""
         if self._guard is not None:
             self._guard.conclude_step()  # the optimizer has run: a strategy that skips steps (DeepSpeed) knows now
         hook = partial(super().on_train_batch_end, trainer, pl_module, outputs, batch, batch_idx)
         self._boundary(trainer, "train batch end", hook)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``ModelCheckpoint``'s hook as one guarded boundary."""
         self._boundary(trainer, "train epoch end", partial(super().on_train_epoch_end, trainer, pl_module))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``ModelCheckpoint``'s hook as one guarded boundary."""
         self._boundary(trainer, "validation end", partial(super().on_validation_end, trainer, pl_module))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``ModelCheckpoint``'s hook as one guarded boundary; then wait for the background writes (a failure raises
+        on every rank), release the directories kept for readers, and log what no flush carried."""
         self._boundary(trainer, "train end", partial(super().on_train_end, trainer, pl_module))
         self._finish_background(trainer)
         self._release_retired_copies(trainer)  # on a failure, on_exception does it, after the background drained
         _flush_held_metrics(trainer)  # nothing of Lightning's is logged after this hook
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """``ModelCheckpoint``'s save on exception as one guarded boundary (a rejection seals and warns: the original
+        error surfaces); each rank then settles its background writes without a collective."""
         hook = partial(super().on_exception, trainer, pl_module, exception)
         try:
             self._boundary(trainer, "exception", hook, during_exception=True)
@@ -489,28 +509,25 @@ class GuardedCheckpoint(_CheckpointBase):
         })
 
     def _reject(self, trainer: pl.Trainer, during_exception: bool) -> None:
-        # the boundary's name is in the report that _agree just made
-        assert self._last_report is not None
+        """Apply the response :func:`~lightning_ckguard.policy.respond` decides for the rejection just agreed on
+        (the same on every rank): the decision is there, this only carries it out."""
+        assert self._last_report is not None and self._guard is not None  # the report _agree just made
         report = self._last_report
-        error = report.to_error()
-        if during_exception:
-            self._rejection = error
-            rank_zero_warn(f"{report.message} Nothing was saved on exception.")
-            return
-        if self.on_non_finite == "skip":
-            assert self._guard is not None
-            self._guard.reset(pending_rejection=True)
-            rank_zero_warn(f"{report.message} Skipped; training continues with a fresh window.")
-            return
-        if self.on_non_finite == "rewind" and self._rewind_log is not None:
+        response = respond(self.on_non_finite, during_exception=during_exception,
+                           fitting=self._rewind_log is not None)
+        if response is Response.REWIND:
+            assert self._rewind_log is not None
             self._rewind(trainer, report, self._rewind_log)
             return
-        self._rejection = error
-        if self.on_non_finite == "stop":
+        if response is Response.SKIP:
+            self._guard.reset(pending_rejection=True)
+        if response.seals:
+            self._rejection = report.to_error()
+        if response is Response.STOP:
             trainer.should_stop = True
-            rank_zero_warn(f"{report.message} Stopping training.")
-            return
-        raise error
+        if response is Response.RAISE:
+            raise self._rejection  # type: ignore[misc]  # set just above: RAISE seals
+        rank_zero_warn(f"{report.message} {_RESPONSE_WORDS[response]}")
 
     def _note_published(self, trainer: pl.Trainer, top_k_before: set[str]) -> None:
         """Remember what a rewind would go back to: the top-K file this boundary wrote (a name no later boundary
@@ -847,6 +864,14 @@ def link_in_boundary(link: Callable[[Any, str, str], None], trainer: Any, filepa
     link(trainer, filepath, staging)  # rank 0 links, then a barrier
     if trainer.is_global_zero and os.path.lexists(staging):
         move_into_place(staging, linkpath)
+
+
+#: What the warning of a rejection that neither raises nor rewinds says happened.
+_RESPONSE_WORDS = {
+    Response.SEAL_AND_WARN: "Nothing was saved on exception.",
+    Response.SKIP: "Skipped; training continues with a fresh window.",
+    Response.STOP: "Stopping training.",
+}
 
 
 def _hold_metrics(trainer: Any, values: dict[str, float]) -> None:

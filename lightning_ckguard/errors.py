@@ -195,6 +195,7 @@ class RewindRefusedError(NonFiniteGradientError):
         )
 
     def fields(self) -> dict[str, Any]:
+        """The error's fields as plain values, with why the rewind was refused and the earlier rewinds."""
         return {**super().fields(), "reason": self.reason, "rewinds": list(self.rewinds)}
 
     def _key(self) -> tuple[Any, ...]:

@@ -1,7 +1,7 @@
 """``GradientGuard``: recording and agreement without a Trainer.
 
-The Lightning callback is a thin layer over this class; Fabric or plain ``torch.distributed`` code can use it
-directly::
+The Lightning callback records and agrees through this class (publication, rewind and the Lightning seams are the
+callback's own, for now); Fabric or plain ``torch.distributed`` code can use it directly::
 
     guard = GradientGuard(model)
     for batch in loader:

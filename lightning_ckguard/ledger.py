@@ -1,13 +1,13 @@
 """The top-K ledger: every piece of ``ModelCheckpoint`` state that a boundary may change, as one value.
 
-A boundary first runs ``ModelCheckpoint``'s own decision logic as a dry run (the proposal). The ledger captured before
-it is what a rejection restores and what a failed serialization rolls back to; nothing else is needed, because the
-dry run writes no file.
+A boundary captures the ledger before ``ModelCheckpoint``'s hook runs: it is what a rejection restores and what a
+failed write rolls back to (:mod:`lightning_ckguard.publication`). ``ModelCheckpoint`` replaces its tensors rather
+than mutating them, so a capture copies the containers only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,14 +28,6 @@ _ATTRIBUTES = {
     "last_time_checked": "_last_time_checked",
     "defer_save_until_validation": "_defer_save_until_validation",
 }
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 @dataclass(frozen=True)
@@ -92,10 +84,6 @@ class Ledger:
                 else torch.tensor(float("inf") if mode == "min" else -float("inf"))
             )
         return replace(self, **changes)
-
-    def same_as(self, other: Ledger) -> bool:
-        """Field-by-field equality, tensors compared by value."""
-        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
 
 
 _ABSENT = object()

@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
 
-from lightning_ckguard._distributed import broadcast_value
+from lightning_ckguard._distributed import broadcast_value, describe_error
 from lightning_ckguard.errors import CheckpointWriteError
 
 #: Strategy classes (of either Lightning package, matched by name) that write a checkpoint through ``pathlib``/``os``
@@ -115,7 +115,9 @@ def exists_on_every_rank(strategy: Any, fs: Any, path: str, is_global_zero: bool
             answer = bool(fs.exists(path))
         except Exception as error:
             failure = error
-    agreed = broadcast_value(strategy, (answer, None if failure is None else f"{type(failure).__name__}: {failure}"))
+    # rank 0 alone looks, so its answer and its failure travel together in one broadcast (agree_on_failure's flag
+    # gather would add a collective ModelCheckpoint does not make)
+    agreed = broadcast_value(strategy, (answer, None if failure is None else describe_error(failure)))
     if failure is not None:
         raise failure
     if agreed[1] is not None:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_ckguard._distributed import broadcast_value, gather_ints
+from lightning_ckguard._distributed import agree_on_failure, broadcast_value
 from lightning_ckguard.errors import RewindRefusedError
 from lightning_ckguard.report import BoundaryReport
 
@@ -151,12 +151,10 @@ class RewindLog:
             restore_trainer_state(trainer, path)
         except Exception as error:  # every rank must hear of it, or the others would train on alone
             failure = error
-        failed = [rank for rank, (bad,) in enumerate(gather_ints(strategy, [int(failure is not None)])) if bad]
-        if failed:
-            described = f"{type(failure).__name__}: {failure}" if failure is not None else None
-            cause = broadcast_value(strategy, described, src=failed[0])
-            ranks = ", ".join(map(str, failed))
-            raise self.refusal(report, f"restoring {path} failed on rank(s) {ranks}: {cause}") from failure
+        failed = agree_on_failure(strategy, failure)
+        if failed.ranks:
+            ranks = ", ".join(map(str, failed.ranks))
+            raise self.refusal(report, f"restoring {path} failed on rank(s) {ranks}: {failed.cause}") from failure
         now = Position.of(trainer)
         start = self._window_start
         record = Rewind(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from lightning_ckguard._distributed import broadcast_value, gather_ints, is_deepspeed_strategy, is_multiprocess
+from lightning_ckguard._distributed import agree_on_failure, is_deepspeed_strategy
 from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.staging import published_path
 
@@ -170,20 +170,13 @@ _ABSENT = object()
 
 
 def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> None:
-    """Raise on every rank if the write of ``filepath`` failed on any rank; a no-op collective-free path on one.
+    """Raise on every rank if the write of ``filepath`` failed on any rank; no collective without peers.
 
     The failing ranks re-raise their own error; the others raise :class:`CheckpointWriteError` naming the first
     failing rank and its error.
     """
-    if not is_multiprocess(strategy):
-        if failure is not None:
-            raise failure
-        return
-    failed = [rank for rank, (bad,) in enumerate(gather_ints(strategy, [int(failure is not None)])) if bad]
-    if not failed:
-        return
-    description = f"{type(failure).__name__}: {failure}" if failure is not None else None
-    description = broadcast_value(strategy, description, src=failed[0])
+    found = agree_on_failure(strategy, failure)
     if failure is not None:
         raise failure
-    raise CheckpointWriteError(ranks=failed, filepath=filepath, cause=description)
+    if found.ranks:
+        raise CheckpointWriteError(ranks=list(found.ranks), filepath=filepath, cause=found.cause)

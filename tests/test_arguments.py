@@ -71,6 +71,11 @@ def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, argument):
 
 
 def test_valid_arguments_are_accepted(tmp_path):
-    FiniteGradCheckpoint(dirpath=str(tmp_path), train_time_interval=timedelta(minutes=5), save_last=True,
-                         on_non_finite="stop", count_skipped_steps=True)
-    FiniteGradCheckpoint(save_last="link", on_non_finite="skip", save_on_train_epoch_end=False)
+    timed = FiniteGradCheckpoint(dirpath=str(tmp_path), train_time_interval=timedelta(minutes=5), save_last=True,
+                                 on_non_finite="stop", count_skipped_steps=True)
+    assert (timed.dirpath, timed.save_last, timed.on_non_finite, timed.count_skipped_steps) == (
+        str(tmp_path), True, "stop", True)
+    assert timed._train_time_interval == timedelta(minutes=5)
+    linked = FiniteGradCheckpoint(save_last="link", on_non_finite="skip", save_on_train_epoch_end=False)
+    assert (linked.save_last, linked.on_non_finite, linked._save_on_train_epoch_end) == ("link", "skip", False)
+    assert linked.max_rewinds is None

@@ -84,6 +84,13 @@ def test_frozen_and_gradless_parameters_are_ignored():
     model[2].bias.grad = None
     guard.record()
     assert guard.agree().accepted
+    assert guard.steps_recorded == 1  # the step was read, with the two parameters that have gradients
+    # and only those are read, under their own names: a NaN in one of them is attributed to it alone
+    model[2].weight.grad[0, 0] = float("nan")
+    guard.record()
+    verdict = guard.agree()
+    assert not verdict.accepted
+    assert verdict.parameters == ("2.weight",)
 
 
 def test_attribution_when_only_some_parameters_have_gradients():

@@ -1,4 +1,4 @@
-"""The package's import structure: no import cycles, and publication code that never imports recording code.
+"""The package's import structure: no import cycles, and layers whose imports run downwards only.
 
 Read from the source with ``ast``, so every import counts: top-level ones, those under ``if TYPE_CHECKING:`` and
 those inside functions (a cycle dodged by a local import is still a cycle).
@@ -14,8 +14,27 @@ import pytest
 PACKAGE = "lightning_ckguard"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 
-PUBLICATION = ("background", "ledger", "publication", "remote", "seal", "staging", "top_k_vote")
-RECORDING = ("sources", "deepspeed_sources", "source_selection", "finiteness", "window", "skips")
+#: The layers, bottom up, each module in exactly one. The leaves are shared by all; recording reads device-side
+#: sources; the agreement turns them into one verdict; publication writes, evicts and links (never reading recording
+#: code); recovery restores; the Lightning adapters sit on top.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "leaves": ("_distributed", "errors", "policy"),
+    "record": ("sources", "deepspeed_sources", "source_selection", "finiteness", "window", "skips", "state_sources",
+               "state_check"),
+    "agree": ("report", "agreement", "guard"),
+    "publish": ("ledger", "publication", "seal", "staging", "background", "top_k_vote", "remote"),
+    "recover": ("rewind",),
+    "lightning": ("", "callback", "pytorch_lightning", "held_metrics", "_validation"),  # "": the package itself
+}
+#: What each layer may import: its own layer and the ones below it that it needs; never one above.
+MAY_IMPORT: dict[str, set[str]] = {
+    "leaves": {"leaves"},
+    "record": {"leaves", "record"},
+    "agree": {"leaves", "record", "agree"},
+    "publish": {"leaves", "publish"},
+    "recover": {"leaves", "agree", "publish", "recover"},
+    "lightning": set(LAYERS),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -85,9 +104,25 @@ def test_no_import_cycle_runs_through(module):
     assert cycle is None, "import cycle: " + " -> ".join(name.removeprefix(f"{PACKAGE}.") for name in cycle)
 
 
-@pytest.mark.parametrize("module", PUBLICATION)
-def test_publication_code_imports_no_recording_code(module):
-    name = f"{PACKAGE}.{module}"
-    assert name in MODULES
-    recording = sorted(m.removeprefix(f"{PACKAGE}.") for m in GRAPH[name] if m.removeprefix(f"{PACKAGE}.") in RECORDING)
-    assert not recording, f"{module} imports recording code: {recording}"
+def _layer_of(module: str) -> str | None:
+    short = module.removeprefix(PACKAGE).removeprefix(".")
+    return next((layer for layer, members in LAYERS.items() if short in members), None)
+
+
+def test_every_module_has_one_layer():
+    unplaced = sorted(module for module in MODULES if _layer_of(module) is None)
+    assert not unplaced, f"place these modules in a layer of LAYERS: {unplaced}"
+    placed = [member for members in LAYERS.values() for member in members]
+    assert len(placed) == len(set(placed)), "a module is in two layers"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_run_downwards_only(module):
+    layer = _layer_of(module)
+    assert layer is not None
+    upward = sorted(
+        f"{dependency.removeprefix(f'{PACKAGE}.')} ({_layer_of(dependency)})"
+        for dependency in GRAPH[module]
+        if _layer_of(dependency) not in MAY_IMPORT[layer]
+    )
+    assert not upward, f"{module} ({layer}) imports from a layer it may not: {upward}"
