@@ -2,9 +2,10 @@
 
 Run it with ``python examples/fabric_guard.py``; Fabric starts rank 1 itself (2 CPU processes, gloo). The loop
 records every optimizer step with ``guard.record(optimizer)`` (device-side: no host sync, no collective), and every
-``--every`` steps all ranks agree with ``guard.agree(fabric.strategy, state=state)`` before ``fabric.save(path, state)``
-(each rank also checks its own part of ``state``). At ``--fault-step`` a NaN is written into one gradient element on
-rank 1 only, after DDP's all-reduce, so rank 0 never sees it.
+``--every`` steps all ranks publish with ``publisher.save(name, state)`` (a ``CheckpointPublisher``): they agree
+first (each rank also checks its own part of ``state``), then the checkpoint is written into a hidden staging name,
+every rank's write is agreed on, and rank 0 renames it into place. At ``--fault-step`` a NaN is written into one
+gradient element on rank 1 only, after DDP's all-reduce, so rank 0 never sees it.
 
 The save after the fault is rejected on both ranks with the same verdict; nothing is written for it. Both ranks rewind
 in place to the last good checkpoint (``restore_fabric_state``: ``fabric.load`` of the model and optimizer, and a fresh
@@ -33,7 +34,13 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 
-from lightning_ckguard import GradientGuard, Verdict, restore_fabric_state
+from lightning_ckguard import (
+    CheckpointPublisher,
+    GradientGuard,
+    NonFiniteGradientError,
+    Verdict,
+    restore_fabric_state,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,6 +87,7 @@ def train(fabric: Fabric, steps: int, fault_step: int, every: int, out: str) -> 
     model, optimizer = fabric.setup(model, optimizer)
     # the unwrapped module: same parameter objects, and its own parameter names ("2.weight") in reports
     guard = GradientGuard(model)  # looks through Fabric's wrapper: reports name your own parameters
+    publisher = CheckpointPublisher(fabric.strategy, out, guard=guard)
 
     events: list[dict[str, Any]] = []
     last_good: str | None = None
@@ -97,13 +105,17 @@ def train(fabric: Fabric, steps: int, fault_step: int, every: int, out: str) -> 
             continue
         name = f"step={step + 1}.ckpt"
         state = {"model": model, "optimizer": optimizer, "step": step + 1}
-        # every rank, same point, same verdict; each rank also checks its own part of the state it is about to save
-        verdict = guard.agree(fabric.strategy, global_step=step + 1, state=state)
+        # every rank, same point, same verdict (each rank also checks its own part of the state it is about to save);
+        # accepted: written into a hidden staging name, every rank's write agreed on, renamed into place on rank 0
+        try:
+            publisher.save(name, state, global_step=step + 1)
+        except NonFiniteGradientError:
+            pass  # raised on every rank: nothing was written
+        verdict = publisher.last_verdict
+        assert verdict is not None
         event: dict[str, Any] = {"global_step": step + 1, "file": name, "verdict": verdict_fields(verdict)}
         if verdict.accepted:
-            fabric.save(os.path.join(out, name), state)
-            guard.reset()  # only after a publish
-            last_good = name
+            last_good = name  # the publisher started the guard's fresh window
             fabric.print(f"step {step + 1}: accepted, wrote {name}")
         else:
             lines = describe(verdict)

@@ -7,6 +7,8 @@ Public API:
 - :class:`CheckpointWriteError`: raised on the other ranks when one rank failed to write an accepted checkpoint.
 - :class:`BoundaryReport`: what the last boundary decided, readable (``FiniteGradCheckpoint.last_report``).
 - :class:`GradientGuard` and :class:`Verdict`: the recording and agreement core, usable without a Trainer.
+- :class:`CheckpointPublisher`: the callback's publication guarantees (agree, stage, write, agree on the write, one
+  rename) for a Fabric or ``torch.distributed`` loop.
 - :class:`RewindRefusedError`, :class:`Rewind`: ``on_non_finite="rewind"``'s refusal (a ``NonFiniteGradientError``)
   and its record of one rewind; :func:`restore_fabric_state` rewinds a Fabric loop, :func:`restore_trainer_state`
   restores a Trainer's training state in place.
@@ -17,6 +19,7 @@ from lightning_ckguard.agreement import RankReport, Verdict
 from lightning_ckguard.callback import FiniteGradCheckpoint
 from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError
 from lightning_ckguard.guard import GradientGuard
+from lightning_ckguard.publisher import CheckpointPublisher
 from lightning_ckguard.report import BoundaryReport
 from lightning_ckguard.rewind import Rewind, restore_fabric_state, restore_trainer_state
 from lightning_ckguard.skips import scaler_skip_flag
@@ -26,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BoundaryReport",
+    "CheckpointPublisher",
     "CheckpointWriteError",
     "FiniteGradCheckpoint",
     "GradientGuard",

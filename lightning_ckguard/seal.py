@@ -93,8 +93,9 @@ class PublicationSeal:
         """Write, and make a failure on any rank an error on every rank.
 
         Under DDP only rank 0 writes. If its write raised straight away, rank 0 would leave while its peers wait in
-        Lightning's post-save barrier, and they would only learn of it from a timeout. Instead the failure is held
-        until this rank has reached that barrier too, then every rank learns which ranks failed and raises.
+        Lightning's post-save barrier, and they would only learn of it from a timeout. Instead the failure is held,
+        and the agreement takes the place of that barrier: every rank waits there for every other, learns which ranks
+        failed, and raises.
         """
         strategy = self._trainer.strategy
         failure: Exception | None = None
@@ -111,8 +112,17 @@ class PublicationSeal:
             except Exception as error:
                 hold(error)
 
+        barrier = strategy.barrier
+
+        def barrier_unless_after_the_write(name: str | None = None, *args: Any, **kwargs: Any) -> None:
+            # Lightning's post-save barrier: the agreement right after it waits for every rank just the same, and
+            # carries each rank's outcome, so the save costs ModelCheckpoint's one collective, not two
+            if name != _POST_SAVE_BARRIER:
+                barrier(name, *args, **kwargs)
+
         try:
-            with _replaced(strategy, "save_checkpoint", write_holding_failure):
+            with _replaced(strategy, "save_checkpoint", write_holding_failure), \
+                    _replaced(strategy, "barrier", barrier_unless_after_the_write):
                 self._save_checkpoint(filepath, *args, **kwargs)
             agree_on_write(strategy, failure, published_path(str(filepath)))
         except Exception as error:
@@ -167,6 +177,9 @@ def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 _ABSENT = object()
+
+#: The name ``Trainer.save_checkpoint`` gives the barrier it ends with (Lightning 2.5 and 2.6).
+_POST_SAVE_BARRIER = "Trainer.save_checkpoint"
 
 
 def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> None:

@@ -16,7 +16,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 
 #: The layers, bottom up, each module in exactly one. The leaves are shared by all; recording reads device-side
 #: sources; the agreement turns them into one verdict; publication writes, evicts and links (never reading recording
-#: code); recovery restores; the Lightning adapters sit on top.
+#: code); recovery restores; the Trainer-free publisher joins agreement and publication; the Lightning adapters sit on
+#: top.
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaves": ("_distributed", "errors", "policy"),
     "record": ("sources", "deepspeed_sources", "source_selection", "finiteness", "window", "skips", "state_sources",
@@ -24,6 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "agree": ("report", "agreement", "guard"),
     "publish": ("ledger", "publication", "seal", "staging", "background", "top_k_vote", "remote"),
     "recover": ("rewind",),
+    "core": ("publisher",),  # the Trainer-free publisher: agreement and publication together
     "lightning": ("", "callback", "pytorch_lightning", "held_metrics", "_validation"),  # "": the package itself
 }
 #: What each layer may import: its own layer and the ones below it that it needs; never one above.
@@ -33,6 +35,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "agree": {"leaves", "record", "agree"},
     "publish": {"leaves", "publish"},
     "recover": {"leaves", "agree", "publish", "recover"},
+    "core": {"leaves", "agree", "publish", "recover", "core"},
     "lightning": set(LAYERS),
 }
 

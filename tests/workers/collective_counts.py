@@ -4,12 +4,13 @@
 
 The functions of ``torch.distributed`` that Lightning and this package call are wrapped before Lightning is imported,
 so every call through them is counted, by name (DDP's gradient all-reduce runs in its C++ reducer and is not: it is
-the same for both classes anyway). Each class fits the same model twice, for ``EPOCHS`` epochs, validating every
-epoch with ``monitor="val_loss"``, ``save_top_k=2``, ``save_last=True`` (a falling loss: every boundary saves, and
-evicts from the third on). Two fits of different lengths separate what each boundary costs from what the fit costs
-once (setup, teardown, train end).
+the same for both classes anyway). Each class fits the same model for ``EPOCHS`` epochs, validating every epoch with
+``monitor="val_loss"``, ``save_top_k=2``, ``save_last=True`` (a falling loss: every boundary saves, and evicts from
+the third on). The callback's boundary hooks count their own collectives, call by call; the rest is the fit's
+(setup, teardown, the data loaders' checks).
 
-Each rank writes ``OUT_DIR/rank{N}.json``: per class and epoch count, the calls per function.
+Each rank writes ``OUT_DIR/rank{N}.json``: per class, each boundary hook call that ran a collective (its hook, epoch
+and calls per function) and the calls outside them.
 """
 
 from __future__ import annotations
@@ -55,30 +56,47 @@ from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 TIMEOUT = timedelta(seconds=60)
-EPOCHS = (2, 4)
-#: a falling validation loss: every epoch's checkpoint enters the top 2
-VAL_LOSSES = [5.0 - epoch for epoch in range(max(EPOCHS))]
+EPOCHS = 4
+#: a falling validation loss: every epoch's checkpoint enters the top 2, and from the third on one is evicted
+VAL_LOSSES = [5.0 - epoch for epoch in range(EPOCHS)]
+#: the checkpoint callback's hooks in which ModelCheckpoint may save: each call is counted on its own
+BOUNDARY_HOOKS = ("on_train_batch_end", "on_train_epoch_end", "on_validation_end", "on_train_end")
 
 
-def count_fit(out: str, cls: type[ModelCheckpoint], epochs: int) -> dict[str, int]:
+def counting_boundaries(cls: type[ModelCheckpoint], boundaries: list[dict[str, Any]]) -> type[ModelCheckpoint]:
+    """``cls`` whose boundary hooks each record the collectives they ran (a hook that ran none is left out)."""
+
+    def counted_hook(name: str) -> Callable[..., None]:
+        def hook(self: Any, trainer: Any, *args: Any) -> None:
+            before = Counter(CALLS)
+            getattr(super(counted, self), name)(trainer, *args)
+            ran = dict(Counter(CALLS) - before)
+            if ran:
+                boundaries.append({"hook": name, "epoch": trainer.current_epoch, "calls": ran})
+
+        return hook
+
+    counted = type(cls.__name__, (cls,), {name: counted_hook(name) for name in BOUNDARY_HOOKS})
+    return counted
+
+
+def count_fit(out: str, cls: type[ModelCheckpoint]) -> dict[str, Any]:
     seed_everything(7)
-    callback = cls(dirpath=os.path.join(out, f"{cls.__name__}-{epochs}"), monitor="val_loss", save_top_k=2,
-                   save_last=True)
+    boundaries: list[dict[str, Any]] = []
+    callback = counting_boundaries(cls, boundaries)(dirpath=os.path.join(out, cls.__name__), monitor="val_loss",
+                                                     save_top_k=2, save_last=True)
     trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[callback],
-                      max_epochs=epochs, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0, **QUIET)
+                      max_epochs=EPOCHS, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0, **QUIET)
     model = FaultyModel(val_losses=VAL_LOSSES)
     CALLS.clear()
     trainer.fit(model)
-    return dict(CALLS)
-
-
-def scenario(cls: type[ModelCheckpoint], epochs: int) -> Callable[[str], dict[str, int]]:
-    return lambda out: count_fit(out, cls, epochs)
+    in_boundaries = sum((Counter(b["calls"]) for b in boundaries), Counter())
+    return {"boundaries": boundaries, "outside": dict(Counter(CALLS) - in_boundaries)}
 
 
 def main() -> None:
-    scenarios = {f"{cls.__name__}-{epochs}": scenario(cls, epochs)
-                 for cls in (ModelCheckpoint, FiniteGradCheckpoint) for epochs in EPOCHS}
+    scenarios = {cls.__name__: (lambda out, cls=cls: count_fit(out, cls)) for cls in (ModelCheckpoint,
+                                                                                      FiniteGradCheckpoint)}
     run_scenarios(scenarios, sys.argv[1], set(sys.argv[2:]))
 
 

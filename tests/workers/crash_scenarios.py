@@ -180,6 +180,9 @@ def crashing(base: type, switch: KillSwitch) -> Any:
         def save_checkpoint(self, checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
             switch.save_starts(self.lightning_module.trainer.global_step)
             super().save_checkpoint(checkpoint, filepath, storage_options)
+            # this rank's write is done: next comes the guard's write agreement, which stands in for Lightning's
+            # post-save barrier (plain ModelCheckpoint: that barrier itself, below)
+            switch.post_save_barrier()
 
         def barrier(self, name: str | None = None) -> None:
             if name == "Trainer.save_checkpoint":

@@ -1,0 +1,176 @@
+"""``CheckpointPublisher``: the callback's publication guarantees for your own loop (Fabric, ``torch.distributed``).
+
+One call per checkpoint, on every rank at the same point::
+
+    guard = GradientGuard(model)
+    publisher = CheckpointPublisher(fabric.strategy, "checkpoints", guard=guard)
+    ...
+    publisher.save("step=100.ckpt", {"model": model, "optimizer": optimizer, "step": 100})
+
+``save`` agrees first (the guard's one collective: gradient history and the state about to be written); a rejection
+raises :class:`~lightning_ckguard.NonFiniteGradientError` on every rank and writes nothing. An accepted checkpoint is
+written into a hidden staging sibling of its name (every rank its part, through the strategy's own save: single
+files, DeepSpeed and FSDP directories), every rank learns whether any rank's write failed (a failure raises on every
+rank and leaves no partial file), and rank 0 then moves it into place with one rename (a directory by an exchange
+where the filesystem has one), so the name always holds a complete checkpoint. Only then does the guard start a
+fresh window.
+
+Local filesystems only: object storage is the callback's for now.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_ckguard._distributed import agree_on_failure, barrier
+from lightning_ckguard.agreement import Verdict
+from lightning_ckguard.errors import CheckpointWriteError
+from lightning_ckguard.guard import GradientGuard
+from lightning_ckguard.staging import discard, move_into_place, recover, release_retired, staging_path
+
+
+class ProcessGroupCollectives:
+    """The few collectives the publisher needs, over a ``torch.distributed`` process group (the default one for
+    ``None`` while one is initialized); rank 0 of the group writes."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        self.is_global_zero = self.group_rank == 0
+        cuda = dist.get_backend(group) == "nccl"
+        self.root_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked in group-rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.stack(parts)
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        """``value`` as group rank ``src`` has it."""
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group else src,
+                                   group=self.group)
+        return box[0]
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank of the group."""
+        dist.barrier(group=self.group)
+
+
+def _plain_state(state: dict[str, Any]) -> dict[str, Any]:
+    """What ``torch.save`` writes for a state of modules, optimizers and values: their state dicts, the rest as is."""
+    return {key: value.state_dict() if hasattr(value, "state_dict") else value for key, value in state.items()}
+
+
+class CheckpointPublisher:
+    """Publishes checkpoints into ``dirpath`` with the guarantees of ``FiniteGradCheckpoint``, without a Trainer.
+
+    Args:
+        collective: A Fabric strategy (``fabric.strategy``: its process group and timeout apply, and its own
+            ``save_checkpoint`` writes, sharded strategies included), a ``torch.distributed`` process group (rank 0
+            of it writes with ``torch.save``), or ``None``: the default process group when one is initialized, else a
+            single process.
+        dirpath: The local directory the checkpoints are published in. It is created if needed; what an interrupted
+            publication left there (a staging entry, a name renamed aside) is recovered, on rank 0.
+        guard: The :class:`~lightning_ckguard.GradientGuard` of the loop; every ``save`` agrees through it first.
+            Without one, nothing is checked and only the publication's guarantees hold.
+
+    Raises:
+        ValueError: If ``dirpath`` is not a local path, or ``guard`` is not a ``GradientGuard``.
+    """
+
+    def __init__(self, collective: Any, dirpath: str | os.PathLike[str], *, guard: GradientGuard | None = None
+                 ) -> None:
+        if not isinstance(dirpath, (str, os.PathLike)) or "://" in os.fspath(dirpath):
+            raise ValueError(f"`dirpath` must be a local directory path, got {dirpath!r}.")
+        if guard is not None and not isinstance(guard, GradientGuard):
+            raise ValueError(f"`guard` must be a GradientGuard or None, got {type(guard).__name__}.")
+        if collective is None and dist.is_available() and dist.is_initialized():
+            collective = ProcessGroupCollectives()
+        elif isinstance(collective, dist.ProcessGroup):
+            collective = ProcessGroupCollectives(collective)
+        self.collective = collective
+        self.dirpath = os.fspath(dirpath)
+        self.guard = guard
+        #: The verdict of the most recent ``save`` (accepted or not), the same on every rank; None without a guard.
+        self.last_verdict: Verdict | None = None
+        if self.is_global_zero:
+            os.makedirs(self.dirpath, exist_ok=True)
+            recover(self.dirpath)
+        barrier(self.collective, "CheckpointPublisher.recover")  # no rank writes before the recovery is done
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this rank moves checkpoints into place (rank 0)."""
+        return bool(getattr(self.collective, "is_global_zero", True))
+
+    def save(self, name: str, state: dict[str, Any], *, global_step: int | None = None) -> Verdict | None:
+        """Agree, write into staging, agree on the write, move into place; or raise on every rank.
+
+        Call it on every rank at the same point, with the same ``name``. Returns the guard's verdict (None without a
+        guard).
+
+        Raises:
+            ValueError: If ``name`` is not a plain file or directory name inside ``dirpath``.
+            NonFiniteGradientError: On every rank, when the guard rejects; nothing was written.
+            CheckpointWriteError: On the ranks whose own part succeeded, when another rank's write failed (that rank
+                raises its own error); no partial checkpoint is left under ``name`` or its staging sibling.
+        """
+        if not name or os.path.basename(name) != name or name in (".", ".."):
+            raise ValueError(f"`name` must be a file or directory name inside `dirpath`, got {name!r}.")
+        verdict = None
+        if self.guard is not None:
+            verdict = self.guard.agree(self.collective, global_step=global_step, state=state)
+            self.last_verdict = verdict
+            if not verdict.accepted:
+                raise verdict.to_error()
+        path = os.path.join(self.dirpath, name)
+        self._write_and_publish(path, state)
+        if self.guard is not None:
+            self.guard.reset()  # only once it is published
+        return verdict
+
+    def _write_and_publish(self, path: str, state: dict[str, Any]) -> None:
+        staging = staging_path(path)
+        if self.is_global_zero:
+            release_retired(path)  # at most two copies of a name at a time, as in the callback
+        failure: Exception | None = None
+        try:
+            self._write(staging, state)
+        except Exception as error:  # held: every rank learns of it in the agreement below
+            failure = error
+        self._agree_or_discard(failure, path, staging)
+        if self.is_global_zero:
+            try:
+                move_into_place(staging, path)
+            except Exception as error:
+                failure = error
+        self._agree_or_discard(failure, path, staging)
+
+    def _write(self, staging: str, state: dict[str, Any]) -> None:
+        save_checkpoint = getattr(self.collective, "save_checkpoint", None)
+        if callable(save_checkpoint):  # a Fabric strategy: its own write, every rank its part
+            from lightning.fabric.wrappers import _unwrap_objects
+
+            save_checkpoint(path=staging, state=_unwrap_objects(state))
+        elif self.is_global_zero:
+            torch.save(_plain_state(state), staging)
+
+    def _agree_or_discard(self, failure: Exception | None, path: str, staging: str) -> None:
+        found = agree_on_failure(self.collective, failure)  # without peers: no collective
+        if not found.ranks:
+            return
+        if self.is_global_zero:
+            discard(staging)
+        if failure is not None:
+            raise failure
+        raise CheckpointWriteError(ranks=list(found.ranks), filepath=path, cause=found.cause)
+
+
+__all__ = ["CheckpointPublisher", "ProcessGroupCollectives"]

@@ -1,0 +1,134 @@
+"""``CheckpointPublisher``: the callback's publication guarantees in a Fabric loop, without a Trainer.
+
+Two real processes (gloo), ``workers/publisher_scenarios.py``: a NaN on rank 1 only is rejected on both ranks with
+nothing written; a write refused on rank 0 raises on both and leaves no partial file; an FSDP2 (``fully_shard``)
+distributed checkpoint is published whole, as one directory. Single-process cases run in the fast lane.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import read_rank_results, run_ranks
+from lightning_ckguard import CheckpointPublisher, GradientGuard, NonFiniteGradientError
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("publisher")
+    return read_rank_results(out, run_ranks("workers/publisher_scenarios.py", [str(out)], timeout=300))
+
+
+def _errors(ranks: list[dict[str, Any]], scenario: str, step: int) -> list[str | None]:
+    found = []
+    for rank in ranks:
+        event = next(e for e in rank[scenario]["events"] if e["step"] == step)
+        found.append(None if event["error"] is None else event["error"]["type"])
+    return found
+
+
+def _event(ranks: list[dict[str, Any]], scenario: str, step: int) -> dict[str, Any]:
+    return next(e for e in ranks[0][scenario]["events"] if e["step"] == step)
+
+
+@pytest.mark.multiprocess
+def test_a_nan_on_rank_1_is_rejected_on_both_ranks_and_nothing_is_written(ranks):
+    assert _errors(ranks, "nan-on-rank-1", 4) == [None, None]
+    assert _errors(ranks, "nan-on-rank-1", 8) == ["NonFiniteGradientError"] * 2
+    messages = [next(e for e in r["nan-on-rank-1"]["events"] if e["step"] == 8)["error"]["message"] for r in ranks]
+    assert messages[0] == messages[1] and "recorded on rank 1 " in messages[0], messages
+    rejected = _event(ranks, "nan-on-rank-1", 8)
+    assert rejected["unchanged"], "the directory changed at a rejected save"
+    assert rejected["listing"] == ["step=4.ckpt"]
+    # rewound in place to step 4 and trained on: step 12 publishes
+    assert _errors(ranks, "nan-on-rank-1", 12) == [None, None]
+    assert _event(ranks, "nan-on-rank-1", 12)["listing"] == ["step=12.ckpt", "step=4.ckpt"]
+    assert [r["nan-on-rank-1"]["loaded_step"] for r in ranks] == [12, 12]
+
+
+@pytest.mark.multiprocess
+def test_a_write_refused_on_rank_0_raises_on_both_ranks_and_leaves_no_partial_file(ranks):
+    # rank 0 raises its own error, rank 1 the CheckpointWriteError that names rank 0
+    assert _errors(ranks, "refused-write-on-rank-0", 8) == ["OSError", "CheckpointWriteError"]
+    refused = _event(ranks, "refused-write-on-rank-0", 8)
+    assert refused["unchanged"], "a partial file or a staging entry was left behind"
+    assert refused["listing"] == ["step=4.ckpt"]
+    assert _errors(ranks, "refused-write-on-rank-0", 12) == [None, None]
+    assert _event(ranks, "refused-write-on-rank-0", 12)["listing"] == ["step=12.ckpt", "step=4.ckpt"]
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp2_distributed_checkpoint_is_published_whole_as_one_directory(ranks):
+    assert _errors(ranks, "fsdp2-directory", 4) == [None, None]
+    assert _event(ranks, "fsdp2-directory", 4)["published_is_directory"]
+    assert _errors(ranks, "fsdp2-directory", 8) == ["NonFiniteGradientError"] * 2
+    assert _event(ranks, "fsdp2-directory", 8)["unchanged"]
+    assert _event(ranks, "fsdp2-directory", 12)["listing"] == ["step=12.ckpt", "step=4.ckpt"]  # nothing hidden left
+    shards = ranks[0]["fsdp2-directory"]["shards"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(shards), shards  # both ranks' shards
+    assert [r["fsdp2-directory"]["loaded_step"] for r in ranks] == [12, 12]
+
+
+# ------------------------------------------------------------------------------------------ one process
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def test_one_process_publishes_the_state_dicts_by_one_rename(tmp_path):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GradientGuard(model)
+    publisher = CheckpointPublisher(None, tmp_path / "ckpt", guard=guard)
+    model(torch.randn(3, 4)).sum().backward()
+    guard.record(optimizer)
+    optimizer.step()
+    verdict = publisher.save("step=1.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
+    assert verdict is not None and verdict.accepted
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step=1.ckpt"]
+    loaded = torch.load(tmp_path / "ckpt" / "step=1.ckpt", weights_only=True)
+    assert loaded["step"] == 1 and torch.equal(loaded["model"]["0.weight"], model[0].weight)
+    assert guard.steps_recorded == 0  # a fresh window once published
+
+
+def test_one_process_rejection_writes_nothing_and_keeps_the_window(tmp_path):
+    model = _model()
+    guard = GradientGuard(model)
+    publisher = CheckpointPublisher(None, tmp_path, guard=guard)
+    model(torch.randn(3, 4)).sum().backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    guard.record()
+    with pytest.raises(NonFiniteGradientError, match="0.weight"):
+        publisher.save("step=1.ckpt", {"model": model})
+    assert os.listdir(tmp_path) == []
+    assert guard.steps_recorded == 1
+
+
+def test_one_process_failed_write_leaves_the_published_name_as_it_was(tmp_path):
+    publisher = CheckpointPublisher(None, tmp_path)
+    publisher.save("last.ckpt", {"value": torch.tensor(1.0)})
+    with pytest.raises(Exception, match="pickle"):
+        publisher.save("last.ckpt", {"value": lambda: None})  # torch.save cannot pickle a lambda
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["value"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [(dict(dirpath="s3://bucket/ckpt"), "dirpath"), (dict(dirpath=3), "dirpath"), (dict(guard=object()), "guard")],
+)
+def test_bad_arguments_are_a_value_error(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CheckpointPublisher(None, **{"dirpath": tmp_path, **kwargs})
+
+
+@pytest.mark.parametrize("name", ["", "..", "sub/step=1.ckpt", "/abs.ckpt"])
+def test_a_name_outside_dirpath_is_a_value_error(tmp_path, name):
+    with pytest.raises(ValueError, match="name"):
+        CheckpointPublisher(None, tmp_path).save(name, {})

@@ -1,0 +1,154 @@
+"""``CheckpointPublisher`` under Fabric on two CPU processes (gloo), run by ``tests/test_publisher.py`` as
+
+    python publisher_scenarios.py OUT_DIR [SCENARIO ...]
+
+Fabric's launcher starts rank 1 by re-running this script. Every scenario gets its own Fabric (one process group per
+strategy, collectives time out after 60 s) and its own checkpoint directory under ``OUT_DIR``; each rank rewrites
+``OUT_DIR/rank{N}.json`` after each scenario:
+
+- ``nan-on-rank-1`` (DDP): saves at steps 4, 8, 12; a NaN in one gradient element on rank 1 only at step 7, after
+  the all-reduce. Step 8's save raises on both ranks and writes nothing; every rank rewinds in place to step 4's
+  checkpoint (``restore_fabric_state``) and step 12's save publishes.
+- ``refused-write-on-rank-0`` (DDP): rank 0's write of step 8 writes half a file, then fails with ``ENOSPC``.
+- ``fsdp2-directory`` (``ModelParallelStrategy``, ``fully_shard``): each save writes a distributed-checkpoint
+  directory, one shard file per rank; the directory is published whole, by one rename, after every rank wrote.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
+
+from helpers import run_scenarios, tree_digest  # noqa: E402
+from lightning_ckguard import CheckpointPublisher, GradientGuard, restore_fabric_state  # noqa: E402
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+TIMEOUT = timedelta(seconds=60)
+FAULT_STEP = 7
+EVERY = 4
+STEPS = 12
+
+
+def _error(error: BaseException) -> dict[str, Any]:
+    return {"type": type(error).__name__, "message": str(error), "trace": traceback.format_exc()}
+
+
+def _fsdp2(model: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=device_mesh["data_parallel"])
+    return model
+
+
+def _fabric(kind: str) -> Fabric:
+    if kind == "fsdp2":
+        strategy: Any = ModelParallelStrategy(_fsdp2, data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT)
+    else:
+        strategy = DDPStrategy(timeout=TIMEOUT)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def _train(out: str, name: str, kind: str, fault_rank: int | None, refuse_on_rank_0_at: int | None
+           ) -> dict[str, Any]:
+    fabric = _fabric(kind)
+    fabric.seed_everything(0, verbose=False)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    model = fabric.setup_module(model)  # sharded first (fully_shard): the optimizer then holds the shards
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    guard = GradientGuard(model)
+    dirpath = os.path.join(out, name)
+    publisher = CheckpointPublisher(fabric.strategy, dirpath, guard=guard)
+    events: list[dict[str, Any]] = []
+    last_good: str | None = None
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * fabric.global_rank + step)
+        x = torch.randn(32, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True) / 4)
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        if step == FAULT_STEP and fabric.global_rank == fault_rank:
+            grad = model.module[0].weight.grad  # under fully_shard a DTensor: this rank's shard of it
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.view(-1)[0] = float("nan")  # after the all-reduce: this rank alone sees it
+        guard.record(optimizer, step=step)
+        optimizer.step()
+        if (step + 1) % EVERY:
+            continue
+        ckpt = f"step={step + 1}.ckpt"
+        state = {"model": model, "optimizer": optimizer, "step": step + 1}
+        before = tree_digest(dirpath) if fabric.global_rank == 0 else None
+        event: dict[str, Any] = {"step": step + 1, "error": None}
+        restore = None
+        if refuse_on_rank_0_at == step + 1 and fabric.global_rank == 0:
+            restore = _refuse_next_write(fabric)
+        try:
+            publisher.save(ckpt, state, global_step=step + 1)
+            last_good = ckpt
+        except Exception as error:
+            event["error"] = _error(error)
+            if last_good is not None:  # rewind in place, on every rank together, and train on
+                restore_fabric_state(fabric, os.path.join(dirpath, last_good), {"model": model, "optimizer": optimizer},
+                                     guard)
+        finally:
+            if restore is not None:
+                restore()
+        event["unchanged"] = before == tree_digest(dirpath) if fabric.global_rank == 0 else None
+        event["listing"] = sorted(os.listdir(dirpath)) if fabric.global_rank == 0 else None
+        event["published_is_directory"] = os.path.isdir(os.path.join(dirpath, ckpt)) if fabric.global_rank == 0 \
+            else None
+        events.append(event)
+    loaded = {"model": model, "optimizer": optimizer}
+    remainder = fabric.load(os.path.join(dirpath, last_good), loaded) if last_good else {}
+    return {"events": events, "loaded_step": remainder.get("step"), "shards": _shards(dirpath, last_good, fabric)}
+
+
+def _shards(dirpath: str, name: str | None, fabric: Fabric) -> list[str] | None:
+    path = os.path.join(dirpath, name) if name else None
+    if fabric.global_rank != 0 or path is None or not os.path.isdir(path):
+        return None
+    return sorted(os.listdir(path))
+
+
+def _refuse_next_write(fabric: Fabric) -> Any:
+    """Rank 0's next checkpoint write puts half a file down, then fails as a full disk would."""
+    checkpoint_io = fabric.strategy.checkpoint_io
+    save = checkpoint_io.save_checkpoint
+
+    def half_then_full(checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1024)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    checkpoint_io.save_checkpoint = half_then_full
+
+    def restore() -> None:
+        checkpoint_io.save_checkpoint = save
+
+    return restore
+
+
+def main() -> None:
+    scenarios = {
+        "nan-on-rank-1": lambda out: _train(out, "nan", "ddp", fault_rank=1, refuse_on_rank_0_at=None),
+        "refused-write-on-rank-0": lambda out: _train(out, "refused", "ddp", fault_rank=None, refuse_on_rank_0_at=8),
+        "fsdp2-directory": lambda out: _train(out, "fsdp2", "fsdp2", fault_rank=1, refuse_on_rank_0_at=None),
+    }
+    run_scenarios(scenarios, sys.argv[1], set(sys.argv[2:]))
+
+
+if __name__ == "__main__":
+    main()
