@@ -270,11 +270,13 @@ class GuardedCheckpoint(_CheckpointBase):
         if trainer.is_global_zero and self.dirpath is not None and is_local(self._fs):
             for action in recover(str(self.dirpath)):  # what a crash during an earlier publication left behind
                 rank_zero_warn(f"FiniteGradCheckpoint {action}.")
-        barrier(trainer.strategy, "FiniteGradCheckpoint.recover")  # every rank restores from the recovered files
         if stage == "fit" and self.dirpath is not None and is_local(self._fs):
-            # every rank, as every rank writes its part of a directory checkpoint: fail now, not at the first save
+            # every rank, as every rank writes its part of a directory checkpoint: fail now, not at the first save.
+            # The agreement is also the barrier after rank 0's recovery: no rank restores before the files are back
             failure = unwritable_dirpath_error(str(self.dirpath), trainer.global_rank, trainer.global_step)
             agree_on_write(trainer.strategy, failure, str(self.dirpath))
+        else:
+            barrier(trainer.strategy, "FiniteGradCheckpoint.recover")  # every rank restores from the recovered files
 
     def _wrong_package_error(self, module: str, trainer_class: str | None = None) -> TypeError:
         """The error for a Trainer of another package: ``module`` is the Trainer's (or the Trainer code's) module."""
