@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_ckguard._distributed import barrier, broadcast_value
+from lightning_ckguard._distributed import barrier, broadcast_value, is_multiprocess
 from lightning_ckguard._validation import unwritable_dirpath_error, validate_arguments
 from lightning_ckguard.agreement import Verdict
 from lightning_ckguard.background import BackgroundPublisher, PluginWrites, PublicationUnit
@@ -67,7 +67,7 @@ from lightning_ckguard.staging import (
     writes_directories,
 )
 from lightning_ckguard.state_sources import averaged_weights, lightning_checkpoint_state
-from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision
+from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision, local_vote, vote_of
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,8 @@ def _package_of(module: str) -> str | None:
 
 #: Attributes that only mean something while a fit runs (a Trainer, a module's gradient source, this boundary's vote):
 #: not part of the callback's value, so a pickled or deep-copied callback leaves them out.
-_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote", "_rewind_log", "_background", "_unit", "_plugin_writes")
+_RUNTIME_ATTRIBUTES = ("_trainer", "_guard", "_vote", "_collected", "_rewind_log", "_background", "_unit",
+                       "_plugin_writes")
 
 
 if TYPE_CHECKING:
@@ -215,6 +216,7 @@ class GuardedCheckpoint(_CheckpointBase):
         self._last_report: BoundaryReport | None = None
         self._counts = {"accepted": 0, "rejected": 0}
         self._vote: TopKVote | None = None
+        self._collected: Verdict | None = None  # this boundary's verdict, agreed with its top-K vote, not yet applied
         # with AsyncCheckpointIO: the thread that writes and publishes accepted boundaries in order, and the unit of
         # the boundary running now (see lightning_ckguard.background)
         self._background: BackgroundPublisher | None = None
@@ -432,6 +434,7 @@ class GuardedCheckpoint(_CheckpointBase):
                 self._background.submit(self._unit)  # queued behind the boundaries accepted before it
         finally:
             self._vote = None  # the top-K vote belongs to this boundary: the next one takes its own
+            self._collected = None
             self._unit = None
             if self._plugin_writes is not None:
                 self._plugin_writes.unit = None
@@ -448,7 +451,8 @@ class GuardedCheckpoint(_CheckpointBase):
         """The agreement at a boundary's first file operation. With background writes, every rank then also learns
         whether an earlier boundary's write failed (raised here, the ledger back to what was published), and an
         accepted boundary opens its unit."""
-        verdict = self._agree(trainer, boundary)
+        # agreed already if the boundary voted on its top K (the vote rode in the agreement), else now
+        verdict = self._apply_verdict(trainer, self._collected or self._collect_verdict(trainer)[0], boundary)
         background = self._background_publisher(trainer)
         if background is None:
             return verdict.accepted
@@ -488,11 +492,20 @@ class GuardedCheckpoint(_CheckpointBase):
         return self._background
 
     def _agree(self, trainer: pl.Trainer, boundary: str) -> Verdict:
+        return self._apply_verdict(trainer, self._collect_verdict(trainer)[0], boundary)
+
+    def _collect_verdict(
+        self, trainer: pl.Trainer, carry: list[int] | None = None
+    ) -> tuple[Verdict, tuple[tuple[int, ...], ...]]:
+        """Every rank joins the agreement (one collective, ``carry`` riding in it); nothing is applied yet."""
         if self._guard is None:  # not fitting: nothing was recorded, but every rank still meets here
             self._guard = self._new_guard(trainer)
         # the state this write will hold is checked too, before anything is collected, in the same agreement
         state = lightning_checkpoint_state(trainer)
-        verdict = self._guard.agree(trainer.strategy, global_step=trainer.global_step, state=state)
+        return self._guard.agree_carrying(trainer.strategy, carry or [], global_step=trainer.global_step, state=state)
+
+    def _apply_verdict(self, trainer: pl.Trainer, verdict: Verdict, boundary: str) -> Verdict:
+        """Count, report and log a verdict at the point it decides a write."""
         report = verdict.report(boundary)
         self._last_verdict, self._last_report = verdict, report
         self._counts["accepted" if verdict.accepted else "rejected"] += 1
@@ -698,7 +711,14 @@ class GuardedCheckpoint(_CheckpointBase):
         current = candidates.get(self.monitor)
         top_k = (self.best_k_models, self.kth_best_model_path, self.save_top_k, self.mode)
         improves = local_top_k_decision(current, *top_k)
-        self._vote = agree_on_top_k(trainer.strategy, present=current is not None, improves=improves)
+        if self._own_transaction() is not None and is_multiprocess(trainer.strategy):
+            # in a boundary the vote rides in the agreement, one collective for both: the first file operation, if
+            # any, finds it agreed (and a boundary that then writes nothing applies nothing of it). Without peers
+            # the vote is no collective: the agreement waits for a write, as it must not read state for nothing
+            self._collected, votes = self._collect_verdict(trainer, local_vote(current is not None, improves))
+            self._vote = vote_of(votes)
+        else:
+            self._vote = agree_on_top_k(trainer.strategy, present=current is not None, improves=improves)
         missing = self._vote.missing_ranks
         if missing and len(missing) < trainer.world_size:
             _warnings.warn(

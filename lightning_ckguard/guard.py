@@ -21,6 +21,7 @@ callback's own, for now); Fabric or plain ``torch.distributed`` code can use it 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -108,12 +109,25 @@ class GradientGuard:
         says; its name travels in the same collective (``verdict.non_finite_state``). Checking it reads one small
         flag vector to the host.
         """
+        verdict, _ = self.agree_carrying(collective, (), global_step=global_step, state=state)
+        return verdict
+
+    def agree_carrying(
+        self, collective: Any | None, carry: Sequence[int], *, global_step: int | None = None, state: Any | None = None
+    ) -> tuple[Verdict, tuple[tuple[int, ...], ...]]:
+        """:meth:`agree`, with ``carry`` (a few integers, the same count on every rank) riding in the same collective:
+        another decision every rank must take together at this point (the callback's top-K vote) costs nothing more.
+        Returns the verdict and every rank's ``carry``, in rank order."""
         summary = self.window.summary()
         state_tensors = named_state(state, constants=self._constant_buffers) if state is not None else None
         checked = self._state_check.summary(state_tensors, summary.device)
-        gathered = all_gather_for(collective)(torch.cat([summary, checked]))
+        carried = torch.tensor(list(carry), dtype=summary.dtype, device=summary.device)
+        gathered = all_gather_for(collective)(torch.cat([summary, checked, carried]))
+        width = gathered.shape[-1] - len(carry)
         step = self._steps_seen if global_step is None else global_step
-        return reach_verdict(gathered, step, self.source.parameter_names, self.count_skipped_steps)
+        verdict = reach_verdict(gathered[..., :width], step, self.source.parameter_names, self.count_skipped_steps)
+        rows = tuple(tuple(row) for row in gathered[..., width:].to("cpu").tolist())
+        return verdict, rows
 
     def note_constant_buffers(self, module: nn.Module) -> frozenset[str]:
         """Leave ``module``'s buffers that hold non-finite values now (an attention mask filled with ``-inf``) out of

@@ -11,6 +11,7 @@ key or no key, and all of them act on the same :class:`TopKVote`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +60,19 @@ def local_top_k_decision(
 def agree_on_top_k(strategy: Any, present: bool, improves: bool) -> TopKVote:
     """Every rank's ``(present, improves)`` in one ``all_gather`` through ``strategy`` (its process group and
     timeout); the same :class:`TopKVote` on every rank. Without peers, no collective."""
-    votes = gather_ints(strategy, [int(present), int(improves)])
+    return vote_of(gather_ints(strategy, local_vote(present, improves)))
+
+
+def local_vote(present: bool, improves: bool) -> list[int]:
+    """This rank's part of the vote, as the integers every rank sends."""
+    return [int(present), int(improves)]
+
+
+def vote_of(votes: Sequence[Sequence[int]]) -> TopKVote:
+    """The vote from every rank's :func:`local_vote`, in rank order (gathered here or carried in another collective).
+    Pure: the same :class:`TopKVote` on every rank."""
     missing = tuple(rank for rank, (has_key, _) in enumerate(votes) if not has_key)
     return TopKVote(improves=not missing and all(vote for _, vote in votes), missing_ranks=missing)
 
 
-__all__ = ["TopKVote", "agree_on_top_k", "local_top_k_decision"]
+__all__ = ["TopKVote", "agree_on_top_k", "local_top_k_decision", "local_vote", "vote_of"]

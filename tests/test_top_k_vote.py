@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision
+from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision, local_vote, vote_of
 
 
 def _values(**values: float) -> dict[str, torch.Tensor]:
@@ -62,3 +62,28 @@ def test_with_peers_one_all_gather_decides_for_every_rank():
     strategy = SimpleNamespace(world_size=3, global_rank=0, root_device=torch.device("cpu"), all_gather=all_gather)
     assert agree_on_top_k(strategy, present=True, improves=True) == TopKVote(improves=False, missing_ranks=(2,))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("votes", "expected"),
+    [
+        ([[1, 1], [1, 1]], TopKVote(improves=True)),
+        ([[1, 1], [1, 0]], TopKVote(improves=False)),  # unanimous, as ModelCheckpoint's reduction
+        ([[1, 1], [0, 0]], TopKVote(improves=False, missing_ranks=(1,))),
+    ],
+)
+def test_the_vote_of_every_ranks_integers_is_the_same_wherever_they_were_gathered(votes, expected):
+    assert vote_of(votes) == expected
+
+
+def test_the_vote_rides_in_the_agreement_and_leaves_the_verdict_as_it_was():
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    guard = GradientGuard(model)
+    guard.record()
+    alone = guard.agree(None, global_step=1)
+    verdict, carried = guard.agree_carrying(None, local_vote(True, False), global_step=1)
+    assert carried == ((1, 0),)
+    assert verdict == alone
