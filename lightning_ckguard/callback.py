@@ -39,7 +39,7 @@ from lightning_ckguard.agreement import Verdict
 from lightning_ckguard.background import BackgroundPublisher, PluginWrites, PublicationUnit
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.guard import GradientGuard
-from lightning_ckguard.held_metrics import HeldMetrics
+from lightning_ckguard.held_metrics import flush_held_metrics, hold_metrics
 from lightning_ckguard.ledger import Ledger
 from lightning_ckguard.policy import NonFinitePolicy, Response, respond
 from lightning_ckguard.publication import BoundaryTransaction, active_transaction, run_boundary
@@ -302,7 +302,7 @@ class GuardedCheckpoint(_CheckpointBase):
         if self._plugin_writes is not None:
             self._plugin_writes.uninstall()
             self._plugin_writes = None
-        _flush_held_metrics(trainer, uninstall=True)  # what a fit without a train end (validate) still holds
+        flush_held_metrics(trainer, uninstall=True)  # what a fit without a train end (validate) still holds
         self._trainer = None
         self._guard = None
 
@@ -380,7 +380,7 @@ class GuardedCheckpoint(_CheckpointBase):
         self._boundary(trainer, "train end", partial(super().on_train_end, trainer, pl_module))
         self._finish_background(trainer)
         self._release_retired_copies(trainer)  # on a failure, on_exception does it, after the background drained
-        _flush_held_metrics(trainer)  # nothing of Lightning's is logged after this hook
+        flush_held_metrics(trainer)  # nothing of Lightning's is logged after this hook
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """``ModelCheckpoint``'s save on exception as one guarded boundary (a rejection seals and warns: the original
@@ -391,7 +391,7 @@ class GuardedCheckpoint(_CheckpointBase):
             self._finish_background(trainer, during_exception=True)
         finally:
             self._release_retired_copies(trainer)
-            _flush_held_metrics(trainer)  # before Lightning finalizes the loggers
+            flush_held_metrics(trainer)  # before Lightning finalizes the loggers
 
     def _finish_background(self, trainer: pl.Trainer, during_exception: bool = False) -> None:
         """At the end of training, wait for every background write; a failure raises on every rank, as at a
@@ -516,7 +516,7 @@ class GuardedCheckpoint(_CheckpointBase):
 
     def _log_metrics(self, trainer: pl.Trainer, report: BoundaryReport) -> None:
         # plain Python numbers from the verdict: no device read, no collective; they ride in Lightning's next flush
-        _hold_metrics(trainer, {
+        hold_metrics(trainer, {
             "ckguard/accepted": float(self._counts["accepted"]),
             "ckguard/rejected": float(self._counts["rejected"]),
             "ckguard/non_finite_steps": float(report.num_steps),
@@ -569,7 +569,7 @@ class GuardedCheckpoint(_CheckpointBase):
             f"fit): {rewind.describe()}; training goes on with the next batch, at global step {rewind.global_step}."
             + (f" Logged to {rewind_log.log_path}." if rewind_log.log_path else "")
         )
-        _hold_metrics(trainer, {"ckguard/rewinds": float(rewind.number)})
+        hold_metrics(trainer, {"ckguard/rewinds": float(rewind.number)})
 
     # ------------------------------------------------------------------ writes outside our boundaries
 
@@ -894,22 +894,6 @@ _RESPONSE_WORDS = {
     Response.SKIP: "Skipped; training continues with a fresh window.",
     Response.STOP: "Stopping training.",
 }
-
-
-def _hold_metrics(trainer: Any, values: dict[str, float]) -> None:
-    held = HeldMetrics.on(trainer)
-    if held is not None:
-        held.hold(values)
-
-
-def _flush_held_metrics(trainer: Any, uninstall: bool = False) -> None:
-    """Log the held ``ckguard/*`` values no flush of Lightning's carried (once, at the end of a fit)."""
-    held = HeldMetrics.on(trainer)
-    if held is None:
-        return
-    held.flush_remaining()
-    if uninstall:
-        held.uninstall()
 
 
 class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):

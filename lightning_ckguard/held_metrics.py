@@ -85,4 +85,22 @@ class HeldMetrics:
 _ABSENT = object()
 
 
-__all__ = ["SUMMED", "HeldMetrics"]
+def hold_metrics(trainer: Any, values: Mapping[str, float]) -> None:
+    """Hold ``values`` for ``trainer``'s next flush to its loggers."""
+    held = HeldMetrics.on(trainer)
+    if held is not None:
+        held.hold(values)
+
+
+def flush_held_metrics(trainer: Any, uninstall: bool = False) -> None:
+    """Log the held ``ckguard/*`` values no flush of Lightning's carried (once, at the end of a fit); with
+    ``uninstall``, give the logger connector its own ``log_metrics`` back."""
+    held = HeldMetrics.on(trainer)
+    if held is None:
+        return
+    held.flush_remaining()
+    if uninstall:
+        held.uninstall()
+
+
+__all__ = ["SUMMED", "HeldMetrics", "flush_held_metrics", "hold_metrics"]
