@@ -85,14 +85,16 @@ class PublicationUnit:
     def evict(self, path: str, remove: Callable[[str], None]) -> None:
         """Remove ``path`` (with ``remove``) once the unit has published everything; never a name the unit itself
         published (that is the new checkpoint, not an eviction)."""
-        published = {op.path for op in self.publications}
-        self.evictions.append(_Operation("evict", path, lambda: None if path in published else remove(path)))
+        def evict_unless_published() -> None:
+            if path not in {op.path for op in self.publications}:  # every publication of the unit, when it runs
+                remove(path)
+
+        self.evictions.append(_Operation("evict", path, evict_unless_published))
 
 
 @dataclass
 class _ExpectedWrite:
     staging: str
-    reached: bool = False
     error: BaseException | None = None
 
 
@@ -171,7 +173,6 @@ class PluginWrites:
         if expected is None:
             self.base.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
-        expected.reached = True
         try:
             self.base.save_checkpoint(checkpoint, expected.staging, storage_options=storage_options)
         except BaseException as error:  # raised on every rank by the unit, not by the plugin at its next save

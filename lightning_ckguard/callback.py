@@ -452,7 +452,8 @@ class GuardedCheckpoint(_CheckpointBase):
         whether an earlier boundary's write failed (raised here, the ledger back to what was published), and an
         accepted boundary opens its unit."""
         # agreed already if the boundary voted on its top K (the vote rode in the agreement), else now
-        verdict = self._apply_verdict(trainer, self._collected or self._collect_verdict(trainer)[0], boundary)
+        collected = self._collected if self._collected is not None else self._collect_verdict(trainer)[0]
+        verdict = self._apply_verdict(trainer, collected, boundary)
         background = self._background_publisher(trainer)
         if background is None:
             return verdict.accepted

@@ -123,11 +123,11 @@ class GradientGuard:
         checked = self._state_check.summary(state_tensors, summary.device)
         carried = torch.tensor(list(carry), dtype=summary.dtype, device=summary.device)
         gathered = all_gather_for(collective)(torch.cat([summary, checked, carried]))
-        width = gathered.shape[-1] - len(carry)
+        on_host = gathered.to("cpu")  # the one read to the host: the verdict's rows and the carried ones
+        width = on_host.shape[-1] - len(carry)
         step = self._steps_seen if global_step is None else global_step
-        verdict = reach_verdict(gathered[..., :width], step, self.source.parameter_names, self.count_skipped_steps)
-        rows = tuple(tuple(row) for row in gathered[..., width:].to("cpu").tolist())
-        return verdict, rows
+        verdict = reach_verdict(on_host[..., :width], step, self.source.parameter_names, self.count_skipped_steps)
+        return verdict, tuple(tuple(row) for row in on_host[..., width:].tolist())
 
     def note_constant_buffers(self, module: nn.Module) -> frozenset[str]:
         """Leave ``module``'s buffers that hold non-finite values now (an attention mask filled with ``-inf``) out of

@@ -58,11 +58,6 @@ class HeldMetrics:
         for key, value in values.items():
             self._pending[key] = self._pending.get(key, 0.0) + value if key in SUMMED else value
 
-    @property
-    def pending(self) -> dict[str, float]:
-        """The values no flush has carried yet."""
-        return dict(self._pending)
-
     def flush_remaining(self) -> None:
         """Log what no flush carried, in one call (the end of a fit); nothing if nothing is held."""
         if self._pending:

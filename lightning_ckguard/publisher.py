@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ckguard._distributed import agree_on_failure, barrier
-from lightning_ckguard.agreement import Verdict
+from lightning_ckguard.agreement import Verdict, all_gather_for
 from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.guard import GradientGuard
 from lightning_ckguard.staging import discard, move_into_place, recover, release_retired, staging_path
@@ -39,6 +39,7 @@ class ProcessGroupCollectives:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
+        self._all_gather = all_gather_for(group if group is not None else dist.group.WORLD)
         self.world_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
         self.is_global_zero = self.group_rank == 0
@@ -47,15 +48,13 @@ class ProcessGroupCollectives:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor``, stacked in group-rank order."""
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor, group=self.group)
-        return torch.stack(parts)
+        return self._all_gather(tensor)
 
     def broadcast(self, value: Any, src: int = 0) -> Any:
         """``value`` as group rank ``src`` has it."""
         box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group else src,
-                                   group=self.group)
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast_object_list(box, src=global_src, group=self.group)
         return box[0]
 
     def barrier(self, name: str | None = None) -> None:

@@ -37,6 +37,7 @@ from conformance_helpers import (
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 
 from helpers import QUIET, RecordingLogger
 from lightning_ckguard import FiniteGradCheckpoint
@@ -309,8 +310,6 @@ BARE_LOSSES = [10.0, 9.0, 2.8, 5.0, 2.5]
 def _drive_bare_trainer(cls: type[ModelCheckpoint], root: str, **kwargs: Any) -> dict[str, Any]:
     """A ``Trainer()`` with no LightningModule, its ``save_checkpoint`` a function that creates the file, and the
     callback's ``on_validation_end`` called by hand once per epoch, as Lightning's own tests do."""
-    from lightning.pytorch.trainer.states import TrainerFn
-
     os.makedirs(root)
     callback = cls(dirpath=root, filename="{epoch}", monitor="checkpoint_on", save_on_train_epoch_end=False, **kwargs)
     trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)

@@ -119,6 +119,9 @@ def test_raw_torch_distributed_process_group(tmp_path):
     assert (error["first_step"], error["last_step"], error["parameters"]) == (2, 2, ["2.bias"])
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["pg-step=2.pt", "pg-step=4.pt"]  # nothing at step 3
     assert all(finite_file(tmp_path / "checkpoints" / name) for name in ("pg-step=2.pt", "pg-step=4.pt"))
+    # CheckpointPublisher over a raw process group: agreed, written by rank 0, renamed into place, nothing hidden left
+    assert sorted(os.listdir(tmp_path / "published")) == ["group.pt", "world.pt"]
+    assert all(finite_file(tmp_path / "published" / name, key="model") for name in ("group.pt", "world.pt"))
 
 
 def _step(model: torch.nn.Module, guard: GradientGuard, optimizer: torch.optim.Optimizer, step: int,

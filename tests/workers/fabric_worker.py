@@ -6,7 +6,8 @@ writes the events it observed to ``OUT/fabric-rank{N}.json``; checkpoints go to 
 
 ``python fabric_worker.py process-group OUT``: a raw ``torch.distributed`` gloo process group (no Lightning at all),
 two processes from ``torch.multiprocessing.spawn``, a ``DistributedDataParallel`` model and ``guard.agree(group)``
-with a group from ``dist.new_group``. Each rank writes ``OUT/pg-rank{N}.json``; rank 0 saves to ``OUT/checkpoints``.
+with a group from ``dist.new_group``. Each rank writes ``OUT/pg-rank{N}.json``; rank 0 saves to ``OUT/checkpoints``,
+then a ``CheckpointPublisher`` over the group and one over the default group publish into ``OUT/published``.
 
 Collectives time out after 60 s; the test adds a wall-clock timeout that kills the whole process group.
 """
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_ckguard import GradientGuard  # noqa: E402
+from lightning_ckguard import CheckpointPublisher, GradientGuard  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -96,6 +97,10 @@ def process_group_rank(rank: int, out: str) -> None:
             elif step == 2:
                 boundary(3, dist.group.WORLD)  # step 2: +inf on rank 1 only
         boundary(4, group)  # step 3 only: the rejected window was reset
+        # the publisher over the same group, and over the default one (None): rank 0 writes the state dicts
+        published = os.path.join(out, "published")
+        CheckpointPublisher(group, published, guard=guard).save("group.pt", {"model": net, "step": 4})
+        CheckpointPublisher(None, published, guard=guard).save("world.pt", {"model": net, "step": 4})
         write(out, f"pg-rank{rank}.json", {"world_size": dist.get_world_size(), "events": events})
     finally:
         dist.destroy_process_group()
