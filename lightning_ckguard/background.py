@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class PublicationUnit:
 @dataclass
 class _ExpectedWrite:
     staging: str
-    error: BaseException | None = None
+    handed: tuple[dict[str, Any], Any] | None = None  # what the plugin handed over: its checkpoint, storage options
 
 
 class PluginWrites:
@@ -105,9 +106,11 @@ class PluginWrites:
     The callback calls ``trainer.save_checkpoint`` with the real path and ``ModelCheckpoint``'s removals go through
     the strategy as usual: the plugin's own ``save_checkpoint`` and ``remove_checkpoint`` (a subclass's overrides too)
     run once each, with the same arguments, in the same order. Underneath, where the plugin hands the work to its base
-    IO, a guarded boundary's write lands in the name's staging sibling (on the plugin's own thread), and a removal
-    waits in the boundary's :class:`PublicationUnit` until everything the unit publishes is in place. Every other
-    call (other callbacks' saves, manual saves, loads) passes through unchanged.
+    IO on its own thread, a guarded boundary's checkpoint (the plugin's point-in-time copy) is handed over to the
+    boundary's :class:`PublicationUnit`, which writes it with that same base IO into the name's staging sibling on the
+    guard's one publication thread, then moves it into place: the writes and moves of one name never overlap, and run
+    in acceptance order. A removal waits in the boundary's unit until everything the unit publishes is in place.
+    Every other call (other callbacks' saves, manual saves, loads) passes through unchanged.
 
     A subclass whose ``save_checkpoint`` does its own I/O instead of calling ``super()`` writes wherever it writes:
     that checkpoint is not staged, and is published when the override wrote it. One whose ``remove_checkpoint``
@@ -118,7 +121,8 @@ class PluginWrites:
         self.plugin = plugin
         self.base = plugin.checkpoint_io  # the plugin's own base IO (Lightning's TorchCheckpointIO, or the user's)
         self.unit: PublicationUnit | None = None  # the accepted boundary running now, whose removals wait
-        self._expected: dict[str, _ExpectedWrite] = {}
+        # per path, the writes the plugin is about to be asked for, oldest first (its thread runs them in that order)
+        self._expected: dict[str, deque[_ExpectedWrite]] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -137,46 +141,47 @@ class PluginWrites:
             self.plugin._checkpoint_io = self.base
 
     def expect(self, filepath: str) -> _ExpectedWrite:
-        """The plugin is about to be asked to write ``filepath``: its base write goes into the staging sibling."""
+        """The plugin is about to be asked to write ``filepath``: what it hands its base IO is the guard's to write."""
         expected = _ExpectedWrite(staging_path(filepath))
         with self._lock:
-            self._expected[str(filepath)] = expected
+            self._expected.setdefault(str(filepath), deque()).append(expected)
         return expected
 
-    def waiter(self, filepath: str, expected: _ExpectedWrite) -> Callable[[], None]:
-        """What the unit runs in place of the write: wait until the plugin's thread has run everything queued so far
-        (so this write too), then raise the write's error, if any. A write the plugin never handed to its base IO
-        (an override that writes by itself) leaves nothing in staging, so the unit has nothing to publish."""
+    def forget(self, filepath: str, expected: _ExpectedWrite) -> None:
+        """``expected`` will never be handed over (the save failed before the plugin queued it, or the plugin's
+        thread has run past it)."""
+        with self._lock:
+            waiting = self._expected.get(str(filepath))
+            if waiting is not None and expected in waiting:
+                waiting.remove(expected)
+
+    def writer(self, filepath: str, expected: _ExpectedWrite) -> Callable[[], None]:
+        """What the unit runs as the write: wait until the plugin's thread has run everything queued so far (so this
+        save too), then write what it handed over into staging with the plugin's base IO. A save the plugin never
+        handed to its base IO (an override that writes by itself) leaves nothing in staging: nothing to publish."""
         executor = getattr(self.plugin, "_executor", None)  # AsyncCheckpointIO's one worker: first in, first out
         queued = executor.submit(lambda: None) if executor is not None else None
 
-        def wait() -> None:
+        def write() -> None:
             if queued is not None:
                 queued.result()
-            with self._lock:
-                if self._expected.get(str(filepath)) is expected:
-                    del self._expected[str(filepath)]
-            if expected.error is not None:
-                raise expected.error
+            self.forget(filepath, expected)
+            handed, expected.handed = expected.handed, None  # the copy is freed once written
+            if handed is not None:
+                checkpoint, storage_options = handed
+                self.base.save_checkpoint(checkpoint, expected.staging, storage_options=storage_options)
 
-        return wait
-
-    def forget(self, filepath: str) -> None:
-        """The save failed before the plugin queued anything."""
-        with self._lock:
-            self._expected.pop(str(filepath), None)
+        return write
 
     # the checkpoint IO the plugin sees
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         with self._lock:
-            expected = self._expected.get(str(path))
+            waiting = self._expected.get(str(path))
+            expected = waiting.popleft() if waiting else None
         if expected is None:
             self.base.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
-        try:
-            self.base.save_checkpoint(checkpoint, expected.staging, storage_options=storage_options)
-        except BaseException as error:  # raised on every rank by the unit, not by the plugin at its next save
-            expected.error = error
+        else:
+            expected.handed = (checkpoint, storage_options)
 
     def remove_checkpoint(self, path: Any) -> None:
         unit = self.unit

@@ -677,8 +677,8 @@ class GuardedCheckpoint(_CheckpointBase):
     def _save_in_background(self, trainer: pl.Trainer, filepath: str, unit: PublicationUnit) -> None:
         """``ModelCheckpoint._save_checkpoint`` with ``AsyncCheckpointIO``: the checkpoint is collected on every rank
         and handed to the plugin exactly as ``ModelCheckpoint`` hands it (the plugin snapshots the tensors and queues
-        the write on its own thread); underneath the plugin, the write lands in the staging sibling
-        (:class:`~lightning_ckguard.background.PluginWrites`). The boundary's unit waits for that write, then moves it
+        the write on its own thread); underneath the plugin, its copy is handed over to the boundary's unit
+        (:class:`~lightning_ckguard.background.PluginWrites`), which writes it into the staging sibling and moves it
         into place, before the unit's links and evictions."""
         writes = self._plugin_writes
         assert writes is not None
@@ -686,10 +686,11 @@ class GuardedCheckpoint(_CheckpointBase):
         try:
             trainer.save_checkpoint(filepath, self.save_weights_only)  # a failure on any rank raises on every rank
         except BaseException:
-            writes.forget(filepath)
+            if expected is not None:
+                writes.forget(filepath, expected)
             raise
         if expected is not None:
-            unit.write(expected.staging, writes.waiter(filepath, expected))
+            unit.write(expected.staging, writes.writer(filepath, expected))
             unit.publish(expected.staging, filepath)
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
