@@ -2,7 +2,7 @@
 removed right after the swap (the previous code) against kept until the name is written again (current).
 
 A DeepSpeed-shaped directory (``latest``, ``zero_to_fp32.py``, a tag directory with the model states and two
-optimizer partitions) is published as ``last.ckpt`` by :func:`lightning_ckguard.staging.move_into_place`, with
+optimizer partitions) is published as ``last.ckpt`` by :func:`lightning_ckguard.publish.staging.move_into_place`, with
 ``--gap-ms`` of "training" between two saves. A separate reader process looks at it in a tight loop: it enters the
 directory (opens it), is held there for a random time up to ``--stall-ms``, then reads ``latest``, the tag directory's
 listing and each file with ``torch.load``, all relative to the directory it entered. The hold stands for a path lookup
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from lightning_ckguard.staging import move_into_place, release_retired, staging_path, supports_exchange
+from lightning_ckguard.publish.staging import move_into_place, release_retired, staging_path, supports_exchange
 
 FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
          "zero_pp_rank_1_mp_rank_00_optim_states.pt")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, table  # noqa: E402
 
 from lightning_ckguard import GradientGuard  # noqa: E402
-from lightning_ckguard.finiteness import NonFiniteCheck  # noqa: E402
+from lightning_ckguard.record.finiteness import NonFiniteCheck  # noqa: E402
 
 
 def transformer_shapes(billions: float) -> list[tuple[int, ...]]:

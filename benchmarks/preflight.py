@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, table  # noqa: E402
 
 from lightning_ckguard import GradientGuard  # noqa: E402
-from lightning_ckguard.state_check import STATE_SUMMARY_SIZE  # noqa: E402
-from lightning_ckguard.window import SUMMARY_SIZE  # noqa: E402
+from lightning_ckguard.record.state_check import STATE_SUMMARY_SIZE  # noqa: E402
+from lightning_ckguard.record.window import SUMMARY_SIZE  # noqa: E402
 
 PAYLOAD = SUMMARY_SIZE + STATE_SUMMARY_SIZE  # int64 per rank: the window's summary, then the state check's part
 GATHER_ROW = f"all_gather({PAYLOAD} int64) alone"

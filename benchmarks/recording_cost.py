@@ -39,7 +39,7 @@ from _common import (  # noqa: E402
 )
 
 from lightning_ckguard import GradientGuard  # noqa: E402
-from lightning_ckguard.finiteness import (
+from lightning_ckguard.record.finiteness import (
     NonFiniteCheck,  # noqa: E402
     cpu_large_tensor_reader,  # noqa: E402
 )

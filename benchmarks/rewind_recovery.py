@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, table  # noqa: E402
 
-import lightning_ckguard.rewind as rewind_module  # noqa: E402
+import lightning_ckguard.recover.rewind as rewind_module  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
 
 IMPORTED = time.time()

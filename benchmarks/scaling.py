@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import floor_read, interleaved, machine, make_grads, median, ms, previous_reader, table  # noqa: E402
 
-from lightning_ckguard.finiteness import (
+from lightning_ckguard.record.finiteness import (
     NonFiniteCheck,  # noqa: E402
     cpu_large_tensor_reader,  # noqa: E402
 )

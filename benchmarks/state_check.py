@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved, machine, median, ms, table  # noqa: E402
 from end_to_end import MLP, TinyLM  # noqa: E402
 
-from lightning_ckguard.state_check import StateCheck  # noqa: E402
-from lightning_ckguard.state_sources import CheckpointState  # noqa: E402
+from lightning_ckguard.record.state_check import StateCheck  # noqa: E402
+from lightning_ckguard.record.state_sources import CheckpointState  # noqa: E402
 
 
 def stepped(model: nn.Module) -> torch.optim.Optimizer:

@@ -37,7 +37,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.rewind import REWIND_LOG_NAME
+from lightning_ckguard.recover.rewind import REWIND_LOG_NAME
 
 FAULT_STEP = 11
 MAX_STEPS = 24

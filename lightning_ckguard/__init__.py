@@ -15,15 +15,15 @@ Public API:
 - :func:`scaler_skip_flag`: whether a ``GradScaler`` will skip the coming step, as a device tensor.
 """
 
-from lightning_ckguard.agreement import RankReport, Verdict
-from lightning_ckguard.callback import FiniteGradCheckpoint
+from lightning_ckguard.agree.agreement import RankReport, Verdict
+from lightning_ckguard.agree.guard import GradientGuard
+from lightning_ckguard.agree.report import BoundaryReport
+from lightning_ckguard.core.publisher import CheckpointPublisher
 from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError
-from lightning_ckguard.guard import GradientGuard
-from lightning_ckguard.publisher import CheckpointPublisher
-from lightning_ckguard.report import BoundaryReport
-from lightning_ckguard.rewind import Rewind, restore_fabric_state, restore_trainer_state
-from lightning_ckguard.skips import scaler_skip_flag
-from lightning_ckguard.sources import GradientSource, ParameterGradients
+from lightning_ckguard.lightning.callback import FiniteGradCheckpoint
+from lightning_ckguard.record.skips import scaler_skip_flag
+from lightning_ckguard.record.sources import GradientSource, ParameterGradients
+from lightning_ckguard.recover.rewind import Rewind, restore_fabric_state, restore_trainer_state
 
 __version__ = "0.1.0"
 

@@ -79,6 +79,14 @@ def agree_on_failure(
     peers waiting in the next collective.
     """
     rows = gather_ints(strategy, [int(failure is not None), *values])
+    return failures_from(strategy, rows, failure, detail)
+
+
+def failures_from(
+    strategy: Any, rows: Sequence[Sequence[int]], failure: BaseException | None, detail: Any = None
+) -> Failures:
+    """:func:`agree_on_failure` from rows already gathered (each rank's failure flag first, then its values), for a
+    flag that rode in another collective: only on a failure, one broadcast of the first failing rank's error."""
     failed = tuple(rank for rank, row in enumerate(rows) if row[0])
     extra = tuple(tuple(row[1:]) for row in rows)
     if not failed:
@@ -108,6 +116,7 @@ __all__ = [
     "barrier",
     "broadcast_value",
     "describe_error",
+    "failures_from",
     "gather_ints",
     "is_deepspeed_strategy",
     "is_multiprocess",

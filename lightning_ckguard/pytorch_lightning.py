@@ -2,7 +2,8 @@
 
 ``lightning`` installs two packages that hold separate copies of the same classes, ``lightning.pytorch`` and
 ``pytorch_lightning``, and a Trainer only treats a callback of its own package's ``ModelCheckpoint`` as a checkpoint
-callback. This module combines the one implementation (:class:`~lightning_ckguard.callback.GuardedCheckpoint`) with
+callback. This module combines the one implementation
+(:class:`~lightning_ckguard.lightning.callback.GuardedCheckpoint`) with
 ``pytorch_lightning``'s ``ModelCheckpoint``; behaviour, arguments, errors and guarantees are the same::
 
     import pytorch_lightning as pl
@@ -18,11 +19,13 @@ from lightning_fabric.plugins.io import TorchCheckpointIO
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
-from lightning_ckguard.agreement import RankReport, Verdict
-from lightning_ckguard.callback import GuardedCheckpoint, LightningPackage, link_in_boundary
+from lightning_ckguard.agree.agreement import RankReport, Verdict
+from lightning_ckguard.agree.guard import GradientGuard
+from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError
-from lightning_ckguard.guard import GradientGuard
-from lightning_ckguard.report import BoundaryReport
+from lightning_ckguard.lightning.callback import GuardedCheckpoint
+from lightning_ckguard.lightning.fit import link_in_boundary
+from lightning_ckguard.lightning.packages import LightningPackage
 
 
 class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):  # type: ignore[misc]  # two copies of one API
@@ -31,7 +34,7 @@ class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):  # type: ignore[
 
     @staticmethod
     def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
-        link_in_boundary(ModelCheckpoint._link_checkpoint, trainer, filepath, linkpath)
+        link_in_boundary(ModelCheckpoint._link_checkpoint, trainer, filepath, linkpath, GuardedCheckpoint)
 
 
 __all__ = [

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
-from lightning_ckguard.ledger import Ledger
+from lightning_ckguard.publish.ledger import Ledger
 
 # from `lightning.pytorch`, or from `pytorch_lightning` in a worker run with CKGUARD_TEST_LIGHTNING=pytorch_lightning
 # (tests/lightning_namespace.py): FaultyModel, CountingStrategy and FailingIO then belong to that package's Trainer

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_ckguard import NonFiniteGradientError, RankReport
-from lightning_ckguard.agreement import all_gather_for, evaluate_reports, reach_verdict
-from lightning_ckguard.window import SUMMARY_SIZE
+from lightning_ckguard.agree.agreement import all_gather_for, evaluate_reports, reach_verdict
+from lightning_ckguard.record.window import SUMMARY_SIZE
 
 
 def _row(applied=0, first=-1, last=-1, skipped=0, first_skipped=-1, last_skipped=-1, pending=0, params=()):

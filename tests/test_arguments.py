@@ -7,7 +7,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.ledger import TRACKED_ATTRIBUTES
+from lightning_ckguard.publish.ledger import TRACKED_ATTRIBUTES
 
 
 def test_accepts_every_model_checkpoint_argument_with_the_same_default():

@@ -17,10 +17,10 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
-import lightning_ckguard.background as background
+import lightning_ckguard.publish.background as background
 from helpers import QUIET, FailingIO, FaultyModel, SleepsAtStep
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.staging import published_path
+from lightning_ckguard.publish.staging import published_path
 
 WRITE_SECONDS = 0.25
 

@@ -390,7 +390,7 @@ def test_loggers_receive_the_same_calls_at_the_same_steps_with_the_guard_metrics
     # the guard's values rode in those calls, and the last of them counts every boundary
     riding = [metrics for _, metrics in guarded.calls if "ckguard/accepted" in metrics]
     assert riding
-    assert riding[-1]["ckguard/accepted"] == callback._counts["accepted"] > 0  # type: ignore[attr-defined]
+    assert riding[-1]["ckguard/accepted"] == callback._decisions.counts["accepted"] > 0  # type: ignore[attr-defined]
 
 
 def test_a_guard_metric_with_no_flush_left_is_logged_once_at_the_end(tmp_path):
@@ -407,7 +407,7 @@ def test_a_guard_metric_with_no_flush_left_is_logged_once_at_the_end(tmp_path):
     (_, metrics), = guarded.calls
     assert set(metrics) >= {"ckguard/accepted", "ckguard/rejected", "ckguard/non_finite_steps",
                             "ckguard/skipped_steps"}
-    assert metrics["ckguard/accepted"] == callback._counts["accepted"] > 0  # type: ignore[attr-defined]
+    assert metrics["ckguard/accepted"] == callback._decisions.counts["accepted"] > 0  # type: ignore[attr-defined]
 
 
 class RecordingAsyncIO(AsyncCheckpointIO):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ckguard.policy import POLICIES, Response, respond
+from lightning_ckguard.recover.policy import POLICIES, Response, respond
 
 
 @pytest.mark.parametrize(

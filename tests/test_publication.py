@@ -10,7 +10,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 from helpers import QUIET, FailingIO, FaultyModel, ledger_state, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.ledger import Ledger
+from lightning_ckguard.publish.ledger import Ledger
 
 EPOCHS = dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
 

@@ -8,8 +8,9 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import HOST_READS, QUIET, CountOps, FaultyModel
-from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, finiteness
-from lightning_ckguard.finiteness import NonFiniteCheck
+from lightning_ckguard import FiniteGradCheckpoint, GradientGuard
+from lightning_ckguard.record import finiteness
+from lightning_ckguard.record.finiteness import NonFiniteCheck
 
 
 def _model() -> torch.nn.Module:

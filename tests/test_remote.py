@@ -1,7 +1,7 @@
 """A ``dirpath`` on a non-local fsspec filesystem, without a server: fsspec's in-memory filesystem (``memory://``) is
 not the local one, so ``ModelCheckpoint`` treats it as it treats S3. ``ckpt_path="last"`` resumes there, the
 checkpoint a fit resumed from and the previous run's files elsewhere stay, as on local disk; and the removal rule
-itself (``lightning_ckguard.remote.removal_allowed``) on the paths a listing and a user give.
+itself (``lightning_ckguard.publish.remote.removal_allowed``) on the paths a listing and a user give.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from test_object_storage import EXPECTED_AFTER_RESUME, _resume_scenario
 
 from helpers import QUIET, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.remote import removal_allowed
+from lightning_ckguard.publish.remote import removal_allowed
 
 EPOCHS = dict(limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
 LOSSES = [3.0, 2.0, 1.0, 0.5]

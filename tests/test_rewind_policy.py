@@ -25,7 +25,7 @@ from lightning_ckguard import (
     RewindRefusedError,
     restore_fabric_state,
 )
-from lightning_ckguard.rewind import REWIND_LOG_NAME
+from lightning_ckguard.recover.rewind import REWIND_LOG_NAME
 
 
 @pytest.mark.parametrize(

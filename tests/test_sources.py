@@ -31,7 +31,7 @@ class _FakeEngine:
 
 
 def test_deepspeed_source_reads_zero2_partition_slices_and_defers_the_skip_outcome():
-    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
+    from lightning_ckguard.record.deepspeed_sources import DeepSpeedGradients
 
     module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     params = list(module.parameters())
@@ -55,9 +55,9 @@ def test_deepspeed_source_reads_zero2_partition_slices_and_defers_the_skip_outco
 def test_gradient_source_for_picks_the_deepspeed_source_from_the_engine():
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
-    from lightning_ckguard.source_selection import gradient_source_for
-    from lightning_ckguard.sources import ParameterGradients
+    from lightning_ckguard.record.deepspeed_sources import DeepSpeedGradients
+    from lightning_ckguard.record.source_selection import gradient_source_for
+    from lightning_ckguard.record.sources import ParameterGradients
 
     module = torch.nn.Linear(2, 2)
     plain = gradient_source_for(DDPStrategy(), module)
@@ -73,8 +73,8 @@ def test_gradient_source_for_picks_the_deepspeed_source_from_the_engine():
 def test_gradient_source_for_a_deepspeed_strategy_needs_its_engine():
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from lightning_ckguard.deepspeed_sources import DeepSpeedGradients
-    from lightning_ckguard.source_selection import gradient_source_for
+    from lightning_ckguard.record.deepspeed_sources import DeepSpeedGradients
+    from lightning_ckguard.record.source_selection import gradient_source_for
 
     module = torch.nn.Linear(2, 2)
     strategy = DeepSpeedStrategy(stage=2)

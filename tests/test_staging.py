@@ -10,11 +10,11 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-import lightning_ckguard.staging as staging_module
+import lightning_ckguard.publish.staging as staging_module
 from conftest import LAST_AT_EVERY_BOUNDARY
 from helpers import QUIET, DirectoryCheckpointStrategy, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.staging import (
+from lightning_ckguard.publish.staging import (
     checkpoint_is_complete,
     move_into_place,
     published_path,

@@ -13,8 +13,8 @@ from torch import nn
 
 from helpers import QUIET, ledger_state, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, NonFiniteGradientError
-from lightning_ckguard.state_check import NAME_WORDS, StateCheck, decode_state_summary
-from lightning_ckguard.state_sources import CheckpointState, named_state
+from lightning_ckguard.record.state_check import NAME_WORDS, StateCheck, decode_state_summary
+from lightning_ckguard.record.state_sources import CheckpointState, named_state
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 

@@ -19,15 +19,19 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 #: code); recovery restores; the Trainer-free publisher joins agreement and publication; the Lightning adapters sit on
 #: top.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "leaves": ("_distributed", "errors", "policy"),
-    "record": ("sources", "deepspeed_sources", "source_selection", "finiteness", "window", "skips", "state_sources",
-               "state_check"),
-    "agree": ("report", "agreement", "guard"),
-    "publish": ("ledger", "publication", "seal", "staging", "background", "top_k_vote", "remote"),
-    "recover": ("rewind",),
-    "core": ("publisher",),  # the Trainer-free publisher: agreement and publication together
-    "lightning": ("", "callback", "pytorch_lightning", "held_metrics", "_validation"),  # "": the package itself
+    "leaves": ("_distributed", "errors"),
+    "record": ("record", "record.sources", "record.deepspeed_sources", "record.source_selection", "record.finiteness",
+               "record.window", "record.skips", "record.state_sources", "record.state_check"),
+    "agree": ("agree", "agree.report", "agree.agreement", "agree.guard", "agree.top_k_vote"),
+    "publish": ("publish", "publish.ledger", "publish.transaction", "publish.seal", "publish.staging",
+                "publish.background", "publish.remote", "publish.storage", "publish.writers"),
+    "recover": ("recover", "recover.policy", "recover.rewind"),
+    "core": ("core", "core.publisher"),  # the Trainer-free publisher: agreement and publication together
+    "lightning": ("", "lightning", "lightning.callback", "lightning.fit", "lightning.packages", "lightning.validation",
+                  "lightning.held_metrics", "pytorch_lightning"),  # "": the package itself
 }
+#: Each layer's folder: a module of a layer lives in its folder (the leaves and the public modules at the top).
+FOLDERS = {"record": "record", "agree": "agree", "publish": "publish", "recover": "recover", "core": "core"}
 #: What each layer may import: its own layer and the ones below it that it needs; never one above.
 MAY_IMPORT: dict[str, set[str]] = {
     "leaves": {"leaves"},
@@ -97,8 +101,8 @@ def _path_between(start: str, goal: str) -> list[str] | None:
 
 
 def test_the_package_is_found():
-    assert f"{PACKAGE}.agreement" in MODULES and f"{PACKAGE}.callback" in MODULES
-    assert f"{PACKAGE}.report" in GRAPH[f"{PACKAGE}.agreement"]  # the parser sees imports at all
+    assert f"{PACKAGE}.agree.agreement" in MODULES and f"{PACKAGE}.lightning.callback" in MODULES
+    assert f"{PACKAGE}.agree.report" in GRAPH[f"{PACKAGE}.agree.agreement"]  # the parser sees imports at all
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -129,3 +133,13 @@ def test_imports_run_downwards_only(module):
         if _layer_of(dependency) not in MAY_IMPORT[layer]
     )
     assert not upward, f"{module} ({layer}) imports from a layer it may not: {upward}"
+
+
+@pytest.mark.parametrize("layer", sorted(FOLDERS))
+def test_a_layer_is_a_folder(layer):
+    """The file list shows the architecture: every module of a layer sits in that layer's folder, and the folder holds
+    nothing of another layer."""
+    for member in LAYERS[layer]:
+        assert member.split(".")[0] == FOLDERS[layer], f"{member} ({layer}) is not under {FOLDERS[layer]}/"
+    in_folder = {name for name in MODULES if name.startswith(f"{PACKAGE}.{FOLDERS[layer]}")}
+    assert {_layer_of(name) for name in in_folder} == {layer}

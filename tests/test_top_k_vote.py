@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_ckguard.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision, local_vote, vote_of
+from lightning_ckguard.agree.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision, local_vote, vote_of
 
 
 def _values(**values: float) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from helpers import QUIET, CountingStrategy, CountOps, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, NonFiniteGradientError
-from lightning_ckguard.skips import scaler_skip_flag
+from lightning_ckguard.record.skips import scaler_skip_flag
 
 STEPS = dict(limit_val_batches=0)
 

@@ -54,7 +54,7 @@ from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, ledger_state  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint, staging  # noqa: E402
-from lightning_ckguard.staging import STAGING_SUFFIX  # noqa: E402
+from lightning_ckguard.publish.staging import STAGING_SUFFIX  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)

@@ -38,7 +38,7 @@ from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, FaultyModel, RecordingLogger, fit_outcome, ledger_state, run_scenarios  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
-from lightning_ckguard.rewind import REWIND_LOG_NAME  # noqa: E402
+from lightning_ckguard.recover.rewind import REWIND_LOG_NAME  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)

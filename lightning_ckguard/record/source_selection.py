@@ -11,8 +11,8 @@ from typing import Any
 from torch import nn
 
 from lightning_ckguard._distributed import is_deepspeed_strategy
-from lightning_ckguard.deepspeed_sources import DeepSpeedGradients, is_deepspeed_engine
-from lightning_ckguard.sources import GradientSource, ParameterGradients
+from lightning_ckguard.record.deepspeed_sources import DeepSpeedGradients, is_deepspeed_engine
+from lightning_ckguard.record.sources import GradientSource, ParameterGradients
 
 
 def gradient_source_for(strategy: Any, module: nn.Module) -> GradientSource:

@@ -11,8 +11,9 @@ single background thread in the order the boundaries were accepted:
 
 A unit whose write or move fails removes what it had put down (staging entries, names it created) and stops the
 queue: no later unit publishes, since its checkpoint lists the one that failed. The failure is held until the next
-boundary that agrees, or the end of training, where :meth:`BackgroundPublisher.agree_on_failures` tells every rank in
-one small collective (under DDP only rank 0 writes); every rank then raises as for a synchronous failure, and the
+boundary's agreement, where :meth:`BackgroundPublisher.report` rides in its one collective, or the end of training
+(under DDP only rank 0 writes); :meth:`BackgroundPublisher.settle` tells every rank; every rank then raises as for a
+synchronous failure, and the
 callback's ledger goes back to the one before the first unit that was not published: what is on disk.
 """
 
@@ -22,15 +23,15 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_ckguard._distributed import agree_on_failure
+from lightning_ckguard._distributed import failures_from
 from lightning_ckguard.errors import CheckpointWriteError
-from lightning_ckguard.ledger import Ledger
-from lightning_ckguard.staging import discard, make_link, move_into_place, published_path, staging_path
+from lightning_ckguard.publish.ledger import Ledger
+from lightning_ckguard.publish.staging import discard, make_link, move_into_place, published_path, staging_path
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +198,9 @@ class PluginWrites:
 
 
 @dataclass(frozen=True)
-class BackgroundFailure:
-    """A background failure, as every rank learned it at the same point.
+class WriteFailure:
+    """A failed write (in the background, or a move into place on rank 0), as every rank learned it at the same
+    point.
 
     Attributes:
         error: What this rank raises: its own error if its write failed, else a ``CheckpointWriteError``.
@@ -291,18 +293,23 @@ class BackgroundPublisher:
             future.result()
         self._futures = []
 
-    def agree_on_failures(self, strategy: Any) -> BackgroundFailure | None:
-        """Whether a unit failed on any rank so far, decided on every rank in one ``all_gather`` of three integers
-        (and, only on a failure, one broadcast of its description). Units still running are not waited for.
+    def report(self) -> list[int]:
+        """This rank's part of the next agreement: whether a unit failed, the first unit it did not publish, and the
+        last unit it published (three integers, every rank alike). Units still running are not waited for."""
+        with self._lock:
+            failure, published_through = self._failure, self._published_through
+        return [int(failure is not None), failure.first_unpublished if failure is not None else -1, published_through]
+
+    def settle(self, strategy: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
+        """Whether a unit failed on any rank, from every rank's :meth:`report` (gathered in the agreement, or at the end
+        of training); only on a failure, one broadcast of its description. The same answer on every rank.
 
         After a failure the publisher starts afresh: the failed and the abandoned units are forgotten.
         """
         with self._lock:
-            failure, published_through = self._failure, self._published_through
-        first_unpublished = failure.first_unpublished if failure is not None else -1
-        found = agree_on_failure(strategy, failure.error if failure is not None else None,
-                                 values=[first_unpublished, published_through],
-                                 detail=failure.path if failure is not None else None)
+            failure = self._failure
+        found = failures_from(strategy, rows, failure.error if failure is not None else None,
+                              failure.path if failure is not None else None)
         for sequence in [s for s in self._ledgers if s <= min(through for _, through in found.values)]:
             del self._ledgers[sequence]  # published on every rank
         if not found.ranks:
@@ -315,18 +322,18 @@ class BackgroundPublisher:
         error = failure.error if failure is not None else CheckpointWriteError(
             ranks=list(found.ranks), filepath=found.detail, cause=found.cause
         )
-        return BackgroundFailure(error, published)
+        return WriteFailure(error, published)
 
-    def local_failure(self) -> BackgroundFailure | None:
+    def local_failure(self) -> WriteFailure | None:
         """This rank's own failure, if any, without a collective (while an exception unwinds, when a peer may be
-        gone); like :meth:`agree_on_failures` it starts the publisher afresh."""
+        gone); like :meth:`settle` it starts the publisher afresh."""
         with self._lock:
             failure, self._failure = self._failure, None
         if failure is None:
             return None
         published = self._ledgers.get(failure.first_unpublished)
         self._ledgers.clear()
-        return BackgroundFailure(failure.error, published)
+        return WriteFailure(failure.error, published)
 
     def close(self) -> None:
         """Wait for every unit, then stop the thread. A failure nobody was told of yet is logged."""
@@ -339,4 +346,4 @@ class BackgroundPublisher:
             self._executor = None
 
 
-__all__ = ["BackgroundFailure", "BackgroundPublisher", "PluginWrites", "PublicationUnit"]
+__all__ = ["WriteFailure", "BackgroundPublisher", "PluginWrites", "PublicationUnit"]

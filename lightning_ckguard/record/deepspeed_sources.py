@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_ckguard.sources import ParameterGradients, ParameterIndex
+from lightning_ckguard.record.sources import ParameterGradients, ParameterIndex
 
 # name-mangled private attribute of DeepSpeedZeroOptimizer_Stage3: ds_id -> this rank's gradient partition
 _STAGE3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"

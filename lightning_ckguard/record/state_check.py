@@ -1,7 +1,8 @@
 """The state check: whether the local state a rank is about to write is finite, as a fixed-size part of its summary.
 
-At a boundary that writes, each rank reads its state tensors (:mod:`lightning_ckguard.state_sources`) with the same
-exact per-tensor check as its gradients (:class:`~lightning_ckguard.finiteness.NonFiniteCheck`: ``1e30`` and the
+At a boundary that writes, each rank reads its state tensors (:mod:`lightning_ckguard.record.state_sources`) with the
+same
+exact per-tensor check as its gradients (:class:`~lightning_ckguard.record.finiteness.NonFiniteCheck`: ``1e30`` and the
 largest finite values pass). The outcome rides in the boundary's one agreement, appended to the window's summary: the
 number of non-finite tensors, and the names of the first of them as UTF-8 bytes packed into int64 words, so every
 rank can name every other rank's tensors without a second collective.
@@ -17,8 +18,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_ckguard.finiteness import NonFiniteCheck
-from lightning_ckguard.state_sources import NamedTensor
+from lightning_ckguard.record.finiteness import NonFiniteCheck
+from lightning_ckguard.record.state_sources import NamedTensor
 
 #: int64 words of UTF-8 names each rank can report (8 bytes each).
 NAME_WORDS = 40

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_ckguard.agreement import Verdict, all_gather_for, reach_verdict
-from lightning_ckguard.sources import GradientSource, ParameterGradients, unwrap_module
-from lightning_ckguard.state_check import StateCheck
-from lightning_ckguard.state_sources import constant_buffers, named_state
-from lightning_ckguard.window import NonFiniteWindow
+from lightning_ckguard.agree.agreement import Verdict, all_gather_for, reach_verdict
+from lightning_ckguard.record.sources import GradientSource, ParameterGradients, unwrap_module
+from lightning_ckguard.record.state_check import StateCheck
+from lightning_ckguard.record.state_sources import constant_buffers, named_state
+from lightning_ckguard.record.window import NonFiniteWindow
 
 
 class GradientGuard:
@@ -74,8 +74,8 @@ class GradientGuard:
 
         Call it after backward (and after unscaling, with a loss scaler) and before ``optimizer.step()``. ``step``
         labels the step in reports (defaults to a running count). ``skipped`` is True, or a 0-d tensor that is True,
-        when a loss scaler will skip this step (see :func:`~lightning_ckguard.skips.scaler_skip_flag`). Sources that
-        only learn after the step whether it was skipped (DeepSpeed) hold the step until :meth:`conclude_step`.
+        when a loss scaler will skip this step (see :func:`~lightning_ckguard.record.skips.scaler_skip_flag`). Sources
+        that only learn after the step whether it was skipped (DeepSpeed) hold the step until :meth:`conclude_step`.
         """
         gradients = self.source.local_gradients(optimizer)
         if gradients is None:  # not an optimizer step (e.g. a DeepSpeed micro-batch inside accumulation)
@@ -104,7 +104,7 @@ class GradientGuard:
         the window: call :meth:`reset` once the checkpoint is published.
 
         ``state`` is what this rank is about to write (what ``fabric.save`` gets: a dict of modules, optimizers and
-        tensors, or a :class:`~lightning_ckguard.state_sources.CheckpointState`). Each of its local tensors is
+        tensors, or a :class:`~lightning_ckguard.record.state_sources.CheckpointState`). Each of its local tensors is
         checked too, before the agreement, and a non-finite one rejects the boundary whatever ``count_skipped_steps``
         says; its name travels in the same collective (``verdict.non_finite_state``). Checking it reads one small
         flag vector to the host.

@@ -8,7 +8,7 @@ import tempfile
 from datetime import timedelta
 from typing import Any
 
-from lightning_ckguard.policy import POLICIES
+from lightning_ckguard.recover.policy import POLICIES
 
 
 def _describe(value: Any) -> str:
@@ -90,3 +90,11 @@ def unwritable_dirpath_error(dirpath: str, rank: int, global_step: int) -> Permi
             f"{error.strerror or error}."
         )
     return None
+
+
+#: The arguments ``ModelCheckpoint`` takes, passed on as given.
+MODEL_CHECKPOINT_ARGUMENTS = (
+    "dirpath", "filename", "monitor", "verbose", "save_last", "save_top_k", "save_on_exception", "save_weights_only",
+    "mode", "auto_insert_metric_name", "every_n_train_steps", "train_time_interval", "every_n_epochs",
+    "save_on_train_epoch_end", "enable_version_counter",
+)

@@ -21,16 +21,20 @@ Local filesystems only: object storage is the callback's for now.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
 
-from lightning_ckguard._distributed import agree_on_failure, barrier
-from lightning_ckguard.agreement import Verdict, all_gather_for
-from lightning_ckguard.errors import CheckpointWriteError
-from lightning_ckguard.guard import GradientGuard
-from lightning_ckguard.staging import discard, move_into_place, recover, release_retired, staging_path
+from lightning_ckguard._distributed import barrier
+from lightning_ckguard.agree.agreement import Verdict, all_gather_for
+from lightning_ckguard.agree.guard import GradientGuard
+from lightning_ckguard.publish.seal import agree_on_write
+from lightning_ckguard.publish.staging import discard, recover
+from lightning_ckguard.publish.storage import LocalStorage
+from lightning_ckguard.publish.writers import StagedWriter
 
 
 class ProcessGroupCollectives:
@@ -99,6 +103,7 @@ class CheckpointPublisher:
         self.guard = guard
         #: The verdict of the most recent ``save`` (accepted or not), the same on every rank; None without a guard.
         self.last_verdict: Verdict | None = None
+        self._writer = StagedWriter(self.collective, LocalStorage(LocalFileSystem()))
         if self.is_global_zero:
             os.makedirs(self.dirpath, exist_ok=True)
             recover(self.dirpath)
@@ -136,21 +141,26 @@ class CheckpointPublisher:
         return verdict
 
     def _write_and_publish(self, path: str, state: dict[str, Any]) -> None:
-        staging = staging_path(path)
-        if self.is_global_zero:
-            release_retired(path)  # at most two copies of a name at a time, as in the callback
+        """Through the callback's staged writer: every rank writes into staging (the outcome agreed), rank 0 moves it
+        into place, and the move's outcome is agreed right away (a Trainer's fit lets it ride in the next agreement;
+        a loop of its own may not agree again)."""
+        writer = self._writer
+        writer.open(None)
+        try:
+            writer.save(path, partial(self._write_agreed, state=state, path=path))
+        finally:
+            writer.close(True, (), discard)
+        failure = writer.finish(self.collective, during_exception=False)
+        if failure is not None:
+            raise failure.error
+
+    def _write_agreed(self, staging: str, state: dict[str, Any], path: str) -> None:
         failure: Exception | None = None
         try:
             self._write(staging, state)
         except Exception as error:  # held: every rank learns of it in the agreement below
             failure = error
-        self._agree_or_discard(failure, path, staging)
-        if self.is_global_zero:
-            try:
-                move_into_place(staging, path)
-            except Exception as error:
-                failure = error
-        self._agree_or_discard(failure, path, staging)
+        agree_on_write(self.collective, failure, path)
 
     def _write(self, staging: str, state: dict[str, Any]) -> None:
         save_checkpoint = getattr(self.collective, "save_checkpoint", None)
@@ -160,16 +170,6 @@ class CheckpointPublisher:
             save_checkpoint(path=staging, state=_unwrap_objects(state))
         elif self.is_global_zero:
             torch.save(_plain_state(state), staging)
-
-    def _agree_or_discard(self, failure: Exception | None, path: str, staging: str) -> None:
-        found = agree_on_failure(self.collective, failure)  # without peers: no collective
-        if not found.ranks:
-            return
-        if self.is_global_zero:
-            discard(staging)
-        if failure is not None:
-            raise failure
-        raise CheckpointWriteError(ranks=list(found.ranks), filepath=path, cause=found.cause)
 
 
 __all__ = ["CheckpointPublisher", "ProcessGroupCollectives"]

@@ -2,8 +2,8 @@
 
 A source is local by contract: reading it issues no collective and no host sync. Strategy-specific sources plug in
 here: DTensor shards (FSDP2, tensor parallel) are read by :class:`ParameterGradients`, DeepSpeed's optimizer
-partitions by :mod:`lightning_ckguard.deepspeed_sources`, which builds on this module (never the other way round).
-:func:`lightning_ckguard.source_selection.gradient_source_for` picks one from the strategy.
+partitions by :mod:`lightning_ckguard.record.deepspeed_sources`, which builds on this module (never the other way
+round). :func:`lightning_ckguard.record.source_selection.gradient_source_for` picks one from the strategy.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The top-K ledger: every piece of ``ModelCheckpoint`` state that a boundary may change, as one value.
 
 A boundary captures the ledger before ``ModelCheckpoint``'s hook runs: it is what a rejection restores and what a
-failed write rolls back to (:mod:`lightning_ckguard.publication`). ``ModelCheckpoint`` replaces its tensors rather
-than mutating them, so a capture copies the containers only.
+failed write rolls back to (:mod:`lightning_ckguard.publish.transaction`). ``ModelCheckpoint`` replaces its tensors
+rather than mutating them, so a capture copies the containers only.
 """
 
 from __future__ import annotations

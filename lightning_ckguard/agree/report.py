@@ -2,7 +2,8 @@
 
 The error message, the rank-zero warnings and the logged ``ckguard/...`` metrics are all derived from it, so they
 always say the same thing. A verdict describes itself as one (:meth:`Verdict.report
-<lightning_ckguard.agreement.Verdict.report>`); this module knows nothing of verdicts, only of the error it raises.
+<lightning_ckguard.agree.agreement.Verdict.report>`); this module knows nothing of verdicts, only of the error it
+raises.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The verdict says *whether* a boundary is rejected, identically on every rank; this module says *what happens then*,
 as a value, so every rank also takes the same action. Like Lightning's ``EarlyStopping``, the decision is a plain
 function (:func:`respond`) and the hook that applies it does nothing but apply it. Restoring a checkpoint for
-``"rewind"`` lives apart, in :mod:`lightning_ckguard.rewind`.
+``"rewind"`` lives apart, in :mod:`lightning_ckguard.recover.rewind`.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_ckguard import window as w
+from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.errors import NonFiniteGradientError
-from lightning_ckguard.report import BoundaryReport
-from lightning_ckguard.state_check import decode_state_summary
+from lightning_ckguard.record import window as w
+from lightning_ckguard.record.state_check import decode_state_summary
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class RankReport:
     @classmethod
     def from_summary(cls, rank: int, row: Sequence[int]) -> RankReport:
         """Read one rank's gathered summary vector: the window's (see :meth:`NonFiniteWindow.summary`), then the state
-        check's part (:mod:`lightning_ckguard.state_check`), if any."""
+        check's part (:mod:`lightning_ckguard.record.state_check`), if any."""
         non_finite_state, state_tensors = decode_state_summary(row[w.SUMMARY_SIZE :])
         return cls(
             rank=rank,

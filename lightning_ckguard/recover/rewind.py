@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_ckguard._distributed import agree_on_failure, broadcast_value
+from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.errors import RewindRefusedError
-from lightning_ckguard.report import BoundaryReport
 
 #: The file, next to the checkpoints, that gets one JSON line per rewind (written by rank 0).
 REWIND_LOG_NAME = "ckguard-rewinds.jsonl"
@@ -64,7 +64,7 @@ class Rewind:
         epochs: ``trainer.current_epoch`` where the skipped range starts (at the checkpoint's boundary or the
             previous rewind: the first skipped batch may belong to the epoch after it) and at the rejected boundary.
         ranks, first_step, last_step, num_steps, parameters, skipped_steps, non_finite_state: The rejection's
-            report (see :class:`~lightning_ckguard.report.BoundaryReport`).
+            report (see :class:`~lightning_ckguard.agree.report.BoundaryReport`).
     """
 
     number: int

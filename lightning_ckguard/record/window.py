@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_ckguard.finiteness import IndexTensors, NonFiniteCheck
+from lightning_ckguard.record.finiteness import IndexTensors, NonFiniteCheck
 
 #: How many offending parameter indices each rank reports at a boundary.
 MAX_REPORTED_PARAMETERS = 8

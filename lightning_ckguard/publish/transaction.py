@@ -10,22 +10,23 @@ The hook runs exactly once per boundary, so each of its clock reads, collectives
    rank reaches it together. A hook that makes no file operation needs no agreement and keeps its bookkeeping.
 3. A rejection raises :class:`BoundaryRejected` there, which unwinds the hook before anything is collected or written;
    the captured ledger is restored and the held lines are dropped. Nothing else changed.
-4. On acceptance every write happens as the hook asks (the ledger is committed first, so each file's own callback state
-   lists it); removals are held until the hook returned with every write done. A failed write rolls the ledger back,
-   removes what this boundary created, and leaves the checkpoint it would have evicted in place.
+4. On acceptance the fit's writer is opened for the boundary, and every write happens through it as the hook asks (the
+   ledger is committed first, so each file's own callback state lists it); the writer holds removals until the hook
+   returned with every write done. A failed write rolls the ledger back, removes what this boundary created, and
+   leaves the checkpoint it would have evicted in place.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from lightning_utilities.core import rank_zero as _rank_zero
 
-from lightning_ckguard.ledger import Ledger
+from lightning_ckguard.publish.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -37,34 +38,45 @@ class BoundaryRejected(Exception):
     """Unwinds ``ModelCheckpoint``'s hook at a rejected boundary. :func:`run_boundary` catches it; it never escapes."""
 
 
+class BoundaryWriter(Protocol):
+    """The part of a fit's writer (:class:`~lightning_ckguard.publish.writers.Writer`) a transaction drives."""
+
+    def open(self, before: Ledger | None) -> None:
+        """An accepted boundary starts writing."""
+
+    def close(self, published: bool, created: Sequence[str], remove: Callable[[str], None]) -> None:
+        """The boundary's hook returned (``published``) or failed (remove what it ``created``)."""
+
+
 class BoundaryTransaction:
-    """The file operations of one boundary: agreed on at the first, removals held until the end.
+    """The file operations of one boundary: agreed on at the first, the writer opened on acceptance.
 
     Args:
         checkpoint: The callback whose hook is running.
         before: Its ledger before the hook, what a rejection restores and a failed write rolls back to.
         agree: Joins the agreement (every rank, at the same point) and returns whether the boundary is accepted.
+        writer: The fit's writer, opened for this boundary once it is accepted.
     """
 
-    def __init__(self, checkpoint: Any, before: Ledger, agree: Callable[[], bool]) -> None:
+    def __init__(self, checkpoint: Any, before: Ledger, agree: Callable[[], bool], writer: BoundaryWriter) -> None:
         self.checkpoint = checkpoint
         self.before = before
         self._agree = agree
+        self._writer = writer
         self.accepted: bool | None = None  # None until the first file operation
-        self.written: list[str] = []
         self.created: list[str] = []
-        self.deferred_removals: list[str] = []
 
     def admit(self) -> None:
         """Call before each file operation: the first one agrees; a rejected boundary unwinds the hook."""
         if self.accepted is None:
             self.accepted = self._agree()
+            if self.accepted:
+                self._writer.open(self.before)
         if not self.accepted:
             raise BoundaryRejected
 
     def note_write(self, path: str, existed: bool) -> None:
         """A write is about to happen; a path that did not exist is removed again if the boundary fails."""
-        self.written.append(path)
         if not existed:
             self.created.append(path)
 
@@ -72,10 +84,6 @@ class BoundaryTransaction:
         """If the boundary fails, restore ``ledger`` instead of the one before it: a failure found here concerns
         earlier boundaries too (a background write), and the ledger goes back to what was actually published."""
         self.before = ledger
-
-    def defer_removal(self, path: str) -> None:
-        """Remove ``path`` once every write of the boundary has succeeded (never, if one fails)."""
-        self.deferred_removals.append(path)
 
 
 _active: ContextVar[BoundaryTransaction | None] = ContextVar("ckguard_boundary_transaction", default=None)
@@ -114,14 +122,16 @@ def _emit(records: list[logging.LogRecord]) -> None:
 
 
 def run_boundary(
-    checkpoint: Any, run_hook: Callable[[], None], agree: Callable[[], bool], remove: Callable[[str], None]
+    checkpoint: Any, run_hook: Callable[[], None], agree: Callable[[], bool], writer: BoundaryWriter,
+    remove: Callable[[str], None],
 ) -> Outcome:
     """Run ``run_hook`` (a ``ModelCheckpoint`` hook of ``checkpoint``) once, as one transaction.
 
-    ``agree`` is called at the hook's first file operation, at most once; ``remove`` deletes a checkpoint for real.
-    Returns what the boundary did; a failed write raises after rolling back.
+    ``agree`` is called at the hook's first file operation, at most once; ``writer`` is opened on acceptance and closed
+    when the hook returns; ``remove`` deletes a checkpoint for real (what a failed boundary created). Returns what the
+    boundary did; a failed write raises after rolling back.
     """
-    transaction = BoundaryTransaction(checkpoint, Ledger.capture(checkpoint), agree)
+    transaction = BoundaryTransaction(checkpoint, Ledger.capture(checkpoint), agree, writer)
     token = _active.set(transaction)
     held: list[logging.LogRecord] = []
     # the held lines are emitted only once the hold is lifted: emitted under it, each would be held again
@@ -132,25 +142,17 @@ def run_boundary(
         transaction.before.apply_to(checkpoint)
         return "rejected"  # the held lines described what was not done: dropped
     except BaseException:
-        _roll_back(transaction, remove)
+        transaction.before.apply_to(checkpoint)
+        if transaction.accepted:
+            writer.close(False, transaction.created, remove)
         _emit(held)  # what ModelCheckpoint said before the failed write, as it would have said it
         raise
     finally:
         _active.reset(token)
-    for path in transaction.deferred_removals:
-        if path not in transaction.written:  # a name the boundary wrote anew is the new checkpoint, not an eviction
-            remove(path)
+    if transaction.accepted:
+        writer.close(True, (), remove)
     _emit(held)
     return "published" if transaction.accepted else "wrote nothing"
 
 
-def _roll_back(transaction: BoundaryTransaction, remove: Callable[[str], None]) -> None:
-    transaction.before.apply_to(transaction.checkpoint)
-    for path in reversed(transaction.created):
-        try:
-            remove(path)
-        except Exception as cleanup_error:  # the original error is the one to surface
-            log.warning("Could not remove %s after a failed checkpoint write: %s", path, cleanup_error)
-
-
-__all__ = ["BoundaryRejected", "BoundaryTransaction", "Outcome", "active_transaction", "run_boundary"]
+__all__ = ["BoundaryRejected", "BoundaryTransaction", "BoundaryWriter", "Outcome", "active_transaction", "run_boundary"]

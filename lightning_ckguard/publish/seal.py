@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from lightning_ckguard._distributed import agree_on_failure, is_deepspeed_strategy
 from lightning_ckguard.errors import CheckpointWriteError
-from lightning_ckguard.staging import published_path
+from lightning_ckguard.publish.staging import published_path
 
 
 class SaveAdmission(Protocol):

@@ -1,6 +1,7 @@
 """State sources: the local tensors each rank is about to write into a checkpoint, each with a name for a person.
 
-The gradient sources (:mod:`lightning_ckguard.sources`) say which steps went wrong; these say whether what is about to
+The gradient sources (:mod:`lightning_ckguard.record.sources`) say which steps went wrong; these say whether what is
+about to
 be published is finite. They reach what no gradient passes through: buffers (BatchNorm running statistics), optimizer
 state an optimizer computed from finite gradients (Adam's ``0/0`` with ``eps=0``), fp32 master copies, averaged
 weights, a bit flip in memory.
@@ -29,7 +30,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_ckguard.sources import _local_tensor, unwrap_module
+from lightning_ckguard.record.sources import _local_tensor, unwrap_module
 
 #: A named local state tensor: ``("buffer bn.running_var", tensor)``.
 NamedTensor = tuple[str, Tensor]

@@ -1,0 +1,434 @@
+"""One fit of a guarded checkpoint callback: the guard, the storage and the write path chosen at ``setup``, and each
+boundary run as a transaction whose verdict and policy are applied here.
+
+The callback (:mod:`lightning_ckguard.lightning.callback`) only adapts Lightning's hooks and ``ModelCheckpoint``'s
+seams to this object; what is decided comes from pure functions below it (``reach_verdict``, ``vote_of``,
+``respond``) and what is written goes through the one :class:`~lightning_ckguard.publish.writers.Writer` of the fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+from weakref import proxy
+
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+
+from lightning_ckguard._distributed import broadcast_value, is_multiprocess
+from lightning_ckguard.agree.agreement import Verdict
+from lightning_ckguard.agree.guard import GradientGuard
+from lightning_ckguard.agree.report import BoundaryReport
+from lightning_ckguard.agree.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision, local_vote, vote_of
+from lightning_ckguard.errors import NonFiniteGradientError
+from lightning_ckguard.lightning.held_metrics import flush_held_metrics, hold_metrics
+from lightning_ckguard.lightning.validation import unwritable_dirpath_error
+from lightning_ckguard.publish.ledger import Ledger
+from lightning_ckguard.publish.seal import PublicationSeal
+from lightning_ckguard.publish.staging import writes_directories
+from lightning_ckguard.publish.storage import Storage, storage_for
+from lightning_ckguard.publish.transaction import BoundaryTransaction, active_transaction, run_boundary
+from lightning_ckguard.publish.writers import WriteFailure, Writer, choose_writer
+from lightning_ckguard.record.skips import scaler_skip_flag
+from lightning_ckguard.record.source_selection import gradient_source_for
+from lightning_ckguard.record.state_sources import averaged_weights, lightning_checkpoint_state
+from lightning_ckguard.recover.policy import Response, respond
+from lightning_ckguard.recover.rewind import DEFAULT_MAX_REWINDS, Position, RewindLog
+
+log = logging.getLogger(__name__)
+_warnings = WarningCache()
+
+#: What the warning of a rejection that neither raises nor rewinds says happened.
+_RESPONSE_WORDS = {
+    Response.SEAL_AND_WARN: "Nothing was saved on exception.",
+    Response.SKIP: "Skipped; training continues with a fresh window.",
+    Response.STOP: "Stopping training.",
+}
+
+
+@dataclass
+class Decisions:
+    """What the agreements of a callback decided, kept across fits: the rejection that sealed the run (while set,
+    nothing is published), the most recent verdict and report, the running counts, and the last fit's rewinds."""
+
+    rejection: NonFiniteGradientError | None = None
+    last_verdict: Verdict | None = None
+    last_report: BoundaryReport | None = None
+    counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "rejected": 0})
+    rewind_log: RewindLog | None = None  # the rewinds of the current (or most recent) fit
+
+
+class GuardedFit:
+    """The runtime of one guarded checkpoint callback on one Trainer, from ``setup`` to ``teardown``.
+
+    Args:
+        checkpoint: The callback (a ``ModelCheckpoint`` with the guard's options).
+        trainer: Its Trainer.
+        storage: Where ``dirpath`` lives.
+        writer: The write path of this fit.
+    """
+
+    def __init__(self, checkpoint: Any, trainer: Any, storage: Storage, writer: Writer) -> None:
+        self.checkpoint, self.trainer, self.storage, self.writer = checkpoint, trainer, storage, writer
+        self.decisions: Decisions = checkpoint._decisions
+        self.guard: GradientGuard | None = None
+        self.vote: TopKVote | None = None  # this boundary's top-K vote, when it took one
+        self._collected: tuple[Verdict, list[list[int]]] | None = None  # agreed with the vote, not yet applied
+
+    @property
+    def rewind_log(self) -> RewindLog | None:
+        """This fit's rewinds, with ``on_non_finite="rewind"``."""
+        return self.decisions.rewind_log
+
+    @classmethod
+    def for_trainer(cls, checkpoint: Any, trainer: Any) -> GuardedFit:
+        """The fit of a Trainer that no ``setup`` announced (driven by hand): its write path, nothing prepared."""
+        storage = storage_for(checkpoint._fs)
+        return cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
+
+    @classmethod
+    def set_up(cls, checkpoint: Any, trainer: Any, stage: str) -> GuardedFit:
+        """At ``setup``, on every rank: seal the Trainer's writes, choose the write path once, and prepare the
+        directory (recover what an interrupted publication left, check it is writable, in one collective)."""
+        storage = storage_for(checkpoint._fs)
+        dirpath = str(checkpoint.dirpath) if checkpoint.dirpath is not None else None
+        storage.refuse_strategy(trainer.strategy, dirpath)  # before anything is installed or written
+        PublicationSeal.install(trainer, checkpoint)
+        fit = cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
+
+        def writable_error() -> Exception | None:
+            if stage != "fit" or dirpath is None:
+                return None
+            return unwritable_dirpath_error(dirpath, trainer.global_rank, trainer.global_step)
+
+        storage.prepare(trainer.strategy, dirpath, writable_error, rank_zero_warn)
+        return fit
+
+    def start_fitting(self, pl_module: Any) -> None:
+        """At ``on_fit_start`` (parameter identities are final): the guard, the rewind log; unseal a new fit."""
+        trainer, checkpoint, decisions = self.trainer, self.checkpoint, self.decisions
+        self.guard = self._new_guard(gradient_source_for(trainer.strategy, pl_module))
+        if checkpoint.on_non_finite == "rewind":  # every fit counts its rewinds from zero, resumed or not
+            limit = DEFAULT_MAX_REWINDS if checkpoint.max_rewinds is None else checkpoint.max_rewinds
+            log_dir = self.storage.rewind_log_dir(_dirpath(checkpoint))
+            decisions.rewind_log = RewindLog(limit, log_dir, Position.of(trainer))
+        if decisions.rejection is not None:
+            resumed = trainer.ckpt_path is not None
+            rank_zero_info(
+                f"FiniteGradCheckpoint: a new fit starts after the rejection at global step "
+                f"{decisions.rejection.global_step}"
+                + (f"; resuming from {trainer.ckpt_path}." if resumed else "; the first checkpoint needs a new step.")
+            )
+            decisions.rejection = None
+            self.guard.reset(pending_rejection=not resumed)
+
+    def record(self, optimizer: Any) -> None:
+        """Record, on the device, whether the gradients ``optimizer`` is about to apply are finite."""
+        if self.guard is not None:
+            scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
+            self.guard.record(optimizer, step=self.trainer.global_step, skipped=scaler_skip_flag(scaler, optimizer))
+
+    def conclude_step(self) -> None:
+        """After the optimizer ran: settle a step whose skip outcome the source knows only now (DeepSpeed)."""
+        if self.guard is not None:
+            self.guard.conclude_step()
+
+    # ------------------------------------------------------------------ boundaries
+
+    def boundary(self, name: str, hook: Callable[[], None], during_exception: bool = False) -> None:
+        """Run ``ModelCheckpoint``'s ``hook`` once as one guarded boundary, and apply its outcome."""
+        if self.decisions.rejection is not None:
+            return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
+        top_k_before = set(self.checkpoint.best_k_models)
+        try:
+            outcome = run_boundary(self.checkpoint, hook, agree=lambda: self._agree_at_boundary(name),
+                                   writer=self.writer, remove=self.evict)
+        finally:
+            self.vote, self._collected = None, None  # this boundary's: the next one takes its own
+        if outcome == "rejected":
+            self._reject(during_exception)
+        elif outcome == "published":
+            assert self.guard is not None
+            log.debug("FiniteGradCheckpoint published at %s, global step %d", name, self.trainer.global_step)
+            self.guard.reset()
+            if self.rewind_log is not None:
+                self._note_published(top_k_before)
+
+    def take_vote(self, current: Any) -> TopKVote:
+        """Every rank's top-K vote on the monitored value ``current`` (one collective: with peers, inside a boundary,
+        the agreement itself, collected now and applied at the first file operation)."""
+        checkpoint = self.checkpoint
+        improves = local_top_k_decision(current, checkpoint.best_k_models, checkpoint.kth_best_model_path,
+                                        checkpoint.save_top_k, checkpoint.mode)
+        if own_transaction(checkpoint) is not None and is_multiprocess(self.trainer.strategy):
+            # without peers the vote is no collective: the agreement waits for a write, so as not to read state
+            verdict, rows = self._collect(local_vote(current is not None, improves))
+            self._collected = (verdict, [row[2:] for row in rows])
+            self.vote = vote_of([row[:2] for row in rows])
+        else:
+            self.vote = agree_on_top_k(self.trainer.strategy, present=current is not None, improves=improves)
+        missing = self.vote.missing_ranks
+        if missing and len(missing) < self.trainer.world_size:
+            _warnings.warn(
+                f"`FiniteGradCheckpoint(monitor={checkpoint.monitor!r})`: the monitored key is missing from the "
+                f"logged metrics of rank(s) {list(missing)} at global step {self.trainer.global_step}, so every rank "
+                f"treats it as missing. HINT: log it on every rank (not with `rank_zero_only=True`)."
+            )
+        return self.vote
+
+    def save(self, filepath: str) -> None:
+        """``ModelCheckpoint._save_checkpoint`` inside an accepted boundary, through the fit's writer."""
+        trainer, checkpoint = self.trainer, self.checkpoint
+        self.writer.save(filepath, lambda path: trainer.save_checkpoint(path, checkpoint.save_weights_only))
+        checkpoint._last_global_step_saved = trainer.global_step
+        checkpoint._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:  # after the move into place, so a logger that uploads the file finds it
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(checkpoint))
+
+    def evict(self, path: str) -> None:
+        """``ModelCheckpoint``'s own removal, for real, and the copy an earlier replacement kept for readers (else a
+        crash before the fit ends would have recovery restore the evicted checkpoint)."""
+        self.checkpoint._remove_for_real(self.trainer, path)
+        if self.trainer.is_global_zero:
+            self.storage.release_retired(path)
+
+    def _agree_at_boundary(self, boundary: str) -> bool:
+        """The agreement at a boundary's first file operation (collected with the top-K vote, or now); an earlier
+        write that failed on some rank raises here on every rank, the ledger back to what was published."""
+        verdict, rows = self._collected if self._collected is not None else self._collect([])
+        self._apply_verdict(verdict, boundary)
+        failure = self.writer.settle(self.trainer.strategy, rows)
+        if failure is not None:
+            transaction = own_transaction(self.checkpoint)
+            if failure.published is not None and transaction is not None:
+                transaction.roll_back_to(failure.published)
+            raise failure.error
+        return verdict.accepted
+
+    def _collect(self, vote: Sequence[int]) -> tuple[Verdict, list[list[int]]]:
+        """Every rank joins the agreement (one collective: the vote and the writer's report ride in it); returns the
+        verdict and every rank's carried integers, nothing applied yet."""
+        if self.guard is None:  # not fitting: nothing was recorded, but every rank still meets here
+            self.guard = self._new_guard()
+        trainer = self.trainer
+        state = lightning_checkpoint_state(trainer)  # what this write will hold, checked in the same agreement
+        verdict, carried = self.guard.agree_carrying(trainer.strategy, [*vote, *self.writer.report()],
+                                                     global_step=trainer.global_step, state=state)
+        return verdict, [list(row) for row in carried]
+
+    def _agree(self, boundary: str) -> Verdict:
+        verdict, rows = self._collect([])
+        self._apply_verdict(verdict, boundary)
+        self._raise_write_failure(self.writer.settle(self.trainer.strategy, rows))
+        return verdict
+
+    def _apply_verdict(self, verdict: Verdict, boundary: str) -> None:
+        """Count, report and log a verdict at the point it decides a write."""
+        decisions = self.decisions
+        report = verdict.report(boundary)
+        decisions.last_verdict, decisions.last_report = verdict, report
+        decisions.counts["accepted" if verdict.accepted else "rejected"] += 1
+        # plain Python numbers from the verdict: no device read, no collective; they ride in Lightning's next flush
+        hold_metrics(self.trainer, {
+            "ckguard/accepted": float(decisions.counts["accepted"]),
+            "ckguard/rejected": float(decisions.counts["rejected"]),
+            "ckguard/non_finite_steps": float(report.num_steps),
+            "ckguard/skipped_steps": float(report.skipped_steps),
+        })
+        if report.accepted and report.skipped_steps:
+            rank_zero_info(report.message)
+
+    def _reject(self, during_exception: bool) -> None:
+        """Apply the response :func:`~lightning_ckguard.recover.policy.respond` decides for the rejection just agreed
+        on (the same on every rank): the decision is there, this only carries it out."""
+        decisions, guard = self.decisions, self.guard
+        assert decisions.last_report is not None and guard is not None
+        report = decisions.last_report
+        response = respond(self.checkpoint.on_non_finite, during_exception=during_exception,
+                           fitting=self.rewind_log is not None)
+        if response is Response.REWIND:
+            self._rewind(report)
+            return
+        if response is Response.SKIP:
+            guard.reset(pending_rejection=True)
+        if response.seals:
+            decisions.rejection = report.to_error()
+        if response is Response.STOP:
+            self.trainer.should_stop = True
+        if response is Response.RAISE:
+            raise decisions.rejection  # type: ignore[misc]  # set just above: RAISE seals
+        rank_zero_warn(f"{report.message} {_RESPONSE_WORDS[response]}")
+
+    def _note_published(self, top_k_before: set[str]) -> None:
+        """Remember what a rewind would go back to: the top-K file this boundary wrote (a name no later boundary
+        rewrites with other weights), else the file it wrote last (``last``, which holds the same state)."""
+        assert self.rewind_log is not None
+        written = [path for path in self.checkpoint.best_k_models if path not in top_k_before]
+        path = written[-1] if written else self.checkpoint._last_checkpoint_saved
+        if path:
+            self.rewind_log.note_published(path, Position.of(self.trainer))
+
+    def _rewind(self, report: BoundaryReport) -> None:
+        """Every rank restores the last published checkpoint together (the verdict decided, the same everywhere)."""
+        rewind_log, guard = self.rewind_log, self.guard
+        assert rewind_log is not None and guard is not None
+        self.writer.wait()  # the checkpoint to go back to may still be being written in the background
+        try:
+            rewind = rewind_log.rewind(self.trainer, report, exists=self.storage.fs.exists)
+        except NonFiniteGradientError as refused:  # no checkpoint, max_rewinds reached, or the restore failed
+            self.decisions.rejection = refused  # sealed: the weights are the rejected ones
+            raise
+        guard.reset()  # the restored weights are the accepted ones: the next window starts clean
+        rank_zero_warn(
+            f"{report.message} Rewound in place (rewind {rewind.number} of at most {rewind_log.max_rewinds} in this "
+            f"fit): {rewind.describe()}; training goes on with the next batch, at global step {rewind.global_step}."
+            + (f" Logged to {rewind_log.log_path}." if rewind_log.log_path else "")
+        )
+        hold_metrics(self.trainer, {"ckguard/rewinds": float(rewind.number)})
+
+    # ------------------------------------------------------------------ writes outside the boundaries
+
+    def admit_save(self, filepath: str) -> bool:
+        """The gate of a write that is not this callback's boundary (a manual ``trainer.save_checkpoint``, another
+        callback's): the same agreement first; inside a running fit a rejection applies ``on_non_finite`` like a
+        boundary, outside one it raises. After a rejection every later write is refused: skipped with a warning
+        while the fit runs or an exception is being handled, raised otherwise."""
+        trainer, decisions = self.trainer, self.decisions
+        running = trainer.state.stage is not None
+        if decisions.rejection is None:
+            verdict = self._agree(f"a save to {filepath}")
+            if verdict.accepted:
+                assert self.guard is not None
+                self.guard.reset()
+                return True
+            if running and not trainer.interrupted:
+                self._reject(during_exception=False)
+                return False  # "skip" or "stop": the write is skipped
+            decisions.rejection = verdict.to_error()
+        if running:
+            rank_zero_warn(f"FiniteGradCheckpoint refused to write {filepath}. {decisions.rejection}")
+            return False
+        raise decisions.rejection
+
+    # ------------------------------------------------------------------ the end of the fit
+
+    def finish(self, during_exception: bool = False) -> None:
+        """At the end of training: every write has run, and a failure raises on every rank, as at a boundary. During
+        an exception no collective is safe and the original error is the one to surface: each rank rolls back to
+        what it published and says so. Then the copies kept for readers go."""
+        try:
+            failure = self.writer.finish(self.trainer.strategy, during_exception)
+            if during_exception and failure is not None:
+                self._roll_back(failure)
+                rank_zero_warn(f"FiniteGradCheckpoint: a background checkpoint write failed as well: {failure.error}")
+            else:
+                self._raise_write_failure(failure)
+        finally:
+            if self.decisions.rejection is None and self.trainer.is_global_zero:
+                # not after a rejection: that changes nothing on disk (the next fit's recovery removes them)
+                self.storage.release_all_retired(_dirpath(self.checkpoint))
+            flush_held_metrics(self.trainer)  # nothing of Lightning's is logged after this
+
+    def tear_down(self) -> None:
+        """Give the Trainer back its own ``save_checkpoint`` (not after a rejection: the seal stays), stop the
+        writer, and log the ``ckguard/*`` values no flush carried."""
+        if self.decisions.rejection is None:
+            PublicationSeal.uninstall(self.trainer, self.checkpoint)
+        self.writer.release()
+        flush_held_metrics(self.trainer, uninstall=True)  # what a fit without a train end (validate) still holds
+
+    def _raise_write_failure(self, failure: WriteFailure | None) -> None:
+        if failure is not None:
+            self._roll_back(failure)
+            raise failure.error
+
+    def _roll_back(self, failure: WriteFailure) -> None:
+        if failure.published is not None:
+            failure.published.apply_to(self.checkpoint)
+
+    def _new_guard(self, source: Any = None) -> GradientGuard:
+        """A guard for the Trainer's module; buffers that are non-finite by design now (a ``-inf`` attention mask), in
+        the module and in averaged copies, are left out of its state check, with an info line naming them."""
+        trainer = self.trainer
+        module = trainer.lightning_module  # None on a Trainer driven by hand: nothing recorded, nothing to check
+        guard = GradientGuard(module, count_skipped_steps=self.checkpoint.count_skipped_steps, source=source,
+                              device=trainer.strategy.root_device)
+        constants = sorted(guard.note_constant_buffers(module)) if module is not None else []
+        for callback in getattr(trainer, "callbacks", ()):  # set by Lightning's callback connector
+            averaged = averaged_weights(callback)
+            if averaged is not None:
+                label = f"averaged weights ({type(callback).__name__})"
+                constants += [f"{label}: {name}" for name in sorted(guard.note_constant_buffers(averaged))]
+        if constants:
+            _warnings.info(
+                "FiniteGradCheckpoint: these buffers hold non-finite values at the start (e.g. an attention mask of "
+                f"-inf), so they are treated as constants and not checked: {', '.join(constants)}."
+            )
+        return guard
+
+
+def own_transaction(checkpoint: Any) -> BoundaryTransaction | None:
+    """The transaction of ``checkpoint``'s boundary while its hook runs, else None."""
+    transaction = active_transaction()
+    return transaction if transaction is not None and transaction.checkpoint is checkpoint else None
+
+
+def link_in_boundary(link: Any, trainer: Any, filepath: str, linkpath: str, guarded: type) -> None:
+    """``ModelCheckpoint._link_checkpoint`` (``link``, a static method) inside a guarded boundary, through the
+    fit's writer; outside one (of a ``guarded`` callback) it is ``link`` itself."""
+    transaction = active_transaction()
+    if transaction is None or not isinstance(transaction.checkpoint, guarded):
+        link(trainer, filepath, linkpath)
+        return
+    transaction.admit()  # a boundary whose first file operation is a link agrees here
+    transaction.note_write(linkpath, existed=trainer.is_global_zero and os.path.lexists(linkpath))
+    checkpoint: Any = transaction.checkpoint
+    fit: GuardedFit = checkpoint._fit_for(trainer)
+    fit.writer.link(filepath, linkpath, partial(link, trainer))
+
+
+def drop_missing_checkpoints(checkpoint: Any, fit: GuardedFit | None) -> None:
+    """Forget the ledger entries of ``checkpoint`` whose checkpoint is gone (deleted by hand, lost in a crash) or
+    visibly cut off, with a warning; the files themselves stay. Rank 0's view decides, so every rank keeps the same
+    ledger even without a shared filesystem."""
+    storage = fit.storage if fit is not None else storage_for(checkpoint._fs)
+    paths = (*checkpoint.best_k_models, checkpoint.last_model_path)
+    missing = [path for path in paths if path and not storage.holds_checkpoint(path)]
+    if fit is not None:
+        missing = broadcast_value(fit.trainer.strategy, missing, src=0)
+    if missing:
+        Ledger.capture(checkpoint).without(missing, checkpoint.mode).apply_to(checkpoint)
+        rank_zero_warn(f"FiniteGradCheckpoint dropped {len(missing)} checkpoint(s) its state lists but that no longer "
+                       "exist or are incomplete: " + ", ".join(missing))
+
+
+def _dirpath(checkpoint: Any) -> str | None:
+    return str(checkpoint.dirpath) if checkpoint.dirpath is not None else None
+
+
+def _writer_for(checkpoint: Any, trainer: Any, storage: Storage) -> Writer:
+    """The fit's write path. In the background under Lightning's ``AsyncCheckpointIO`` (a subclass too) over its
+    ``TorchCheckpointIO``, for single files in a local ``dirpath``; staged for what Lightning writes itself into a
+    local ``dirpath`` (its ``TorchCheckpointIO``, or a strategy that writes directories); else as given."""
+    package, strategy = checkpoint._lightning, trainer.strategy
+    plugin = strategy.checkpoint_io
+    through_lightning = PublicationSeal.writes_through_lightning(trainer)
+    in_background = (
+        isinstance(plugin, package.async_checkpoint_io)
+        and isinstance(plugin.checkpoint_io, package.torch_checkpoint_io)
+        and hasattr(plugin, "_checkpoint_io")
+        and not writes_directories(strategy)
+        and through_lightning
+        and checkpoint.dirpath is not None
+        and storage.stages_writes
+    )
+    staged_io = writes_directories(strategy) or isinstance(plugin, package.torch_checkpoint_io)
+    return choose_writer(strategy, storage, in_background=plugin if in_background else None,
+                         writes_through_lightning=through_lightning, staged_io=staged_io)
+
+
+__all__ = ["Decisions", "GuardedFit", "drop_missing_checkpoints", "link_in_boundary", "own_transaction"]

@@ -1,0 +1,299 @@
+"""The write path of a fit, chosen once (:func:`choose_writer`): one object that saves, links and evicts for every
+accepted boundary, and reports to the next agreement what it could not finish.
+
+- :class:`StagedWriter`: a local ``dirpath``, written by Lightning itself. Every rank writes its part into the name's
+  hidden staging sibling; the write's outcome is agreed by the caller's ``write`` (the seal, in place of Lightning's
+  post-save barrier); rank 0 then moves it into place with one rename (:func:`~lightning_ckguard.publish.staging.
+  move_into_place`). Evictions wait until the boundary published everything.
+- :class:`BackgroundWriter`: the same under Lightning's ``AsyncCheckpointIO``: the plugin is called as
+  ``ModelCheckpoint`` calls it, and the boundary's storage operations run as one unit on the guard's publication
+  thread (:mod:`~lightning_ckguard.publish.background`).
+- :class:`DirectWriter`: everything else (object storage, a user's own ``CheckpointIO``, a replaced
+  ``save_checkpoint``): the write goes to the real name, as ``ModelCheckpoint`` makes it; evictions still wait.
+
+What rank 0 does alone after the last collective of a boundary (a move into place, a link, a background write) can
+fail on rank 0 alone. Raising there would leave the other ranks in the next collective, so the writer holds it: it
+puts nothing more in place, removes what the boundary created, and reports the failure in the next agreement
+(:meth:`report`, a few integers riding in the agreement's one collective) or at the end of the fit (:meth:`finish`).
+Every rank then raises, and the ledger goes back to the one before the first boundary that was not published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from lightning_ckguard._distributed import barrier, failures_from, gather_ints
+from lightning_ckguard.errors import CheckpointWriteError
+from lightning_ckguard.publish.background import BackgroundPublisher, PluginWrites, PublicationUnit, WriteFailure
+from lightning_ckguard.publish.ledger import Ledger
+from lightning_ckguard.publish.staging import discard, move_into_place, staging_path
+from lightning_ckguard.publish.storage import Storage
+
+log = logging.getLogger(__name__)
+
+#: ``write(path)`` writes the checkpoint at ``path`` on every rank, and raises on every rank if any rank failed.
+Write = Callable[[str], None]
+#: ``link(target, linkpath)`` makes ``linkpath`` a link to ``target`` (``ModelCheckpoint``'s own link).
+Link = Callable[[str, str], None]
+#: ``remove(path)`` removes a checkpoint for real (``ModelCheckpoint``'s own removal).
+Remove = Callable[[str], None]
+
+
+class Writer(Protocol):
+    """What every write path does; one is chosen per fit, identically on every rank."""
+
+    def open(self, before: Ledger | None) -> None:
+        """An accepted boundary starts writing; ``before`` is its ledger before the hook."""
+
+    def save(self, filepath: str, write: Write) -> None:
+        """Publish the checkpoint ``write`` writes as ``filepath``."""
+
+    def link(self, target: str, linkpath: str, link: Link) -> None:
+        """Make ``linkpath`` a link to ``target`` once ``target`` is published."""
+
+    def remove(self, path: str, remove: Remove) -> None:
+        """Evict ``path`` once the boundary published everything (never if it fails)."""
+
+    def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
+        """The boundary's hook returned (``published``) or failed: on a failure, remove what it ``created``."""
+
+    def report(self) -> list[int]:
+        """This rank's integers for the next agreement (the same count on every rank)."""
+
+    def settle(self, collective: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
+        """Every rank's :meth:`report`, gathered: the failure every rank raises, or None."""
+
+    def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
+        """The end of the fit: wait for every write; agreed on every rank, or during an exception this rank's own."""
+
+    def wait(self) -> None:
+        """Wait until every accepted boundary's write has run (before a rewind reads one)."""
+
+    def release(self) -> None:
+        """The fit is over: stop threads, give back what was replaced."""
+
+
+class _HeldFailure:
+    """A failure rank 0 met after the boundary's last collective, held for the next agreement."""
+
+    def __init__(self, error: BaseException, path: str) -> None:
+        self.error, self.path = error, path
+
+
+class _EvictsAtTheEnd:
+    """Evictions held until the boundary published everything; what it wrote under a name is not evicted."""
+
+    def __init__(self, collective: Any) -> None:
+        self._collective = collective
+        self._held: _HeldFailure | None = None
+        self._unconfirmed: Ledger | None = None  # the ledger before the first boundary not yet agreed published
+        self._written: list[str] = []
+        self._evictions: list[tuple[str, Remove]] = []
+
+    def open(self, before: Ledger | None) -> None:
+        if self._unconfirmed is None:
+            self._unconfirmed = before
+        self._written, self._evictions = [], []
+
+    def remove(self, path: str, remove: Remove) -> None:
+        self._evictions.append((path, remove))
+
+    def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
+        evictions, self._evictions = self._evictions, []
+        if not published:
+            _remove_all(reversed(created), remove)
+            return
+        if self._held is None:
+            for path, evict in evictions:
+                if path not in self._written:  # a name written anew is the new checkpoint, not an eviction
+                    evict(path)
+
+    def report(self) -> list[int]:
+        return [int(self._held is not None)]
+
+    def settle(self, collective: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
+        held, self._held = self._held, None
+        found = failures_from(collective, rows, held.error if held else None, held.path if held else None)
+        published, self._unconfirmed = self._unconfirmed, None
+        if not found.ranks:
+            return None
+        error = held.error if held is not None else CheckpointWriteError(
+            ranks=list(found.ranks), filepath=found.detail, cause=found.cause)
+        return WriteFailure(error, published)
+
+    def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
+        if during_exception:
+            held, self._held = self._held, None
+            return WriteFailure(held.error, self._unconfirmed) if held is not None else None
+        return self.settle(collective, gather_ints(collective, self.report()))
+
+    def wait(self) -> None:
+        """Synchronous: every write has run."""
+
+    def release(self) -> None:
+        """Nothing to give back."""
+
+    def _in_place(self, filepath: str, staging: str, put: Callable[[], None], created: list[str]) -> None:
+        """Rank 0 puts ``staging`` in place as ``filepath`` (``put``); a failure is held, and undoes the boundary."""
+        if self._held is not None:
+            discard(staging)
+            return
+        new = not os.path.lexists(filepath)
+        try:
+            put()
+        except Exception as error:
+            discard(staging)
+            self._held = _HeldFailure(error, filepath)
+            _remove_all(created, discard)  # what this boundary created on rank 0 alone
+            return
+        if new:
+            created.append(filepath)
+
+
+class StagedWriter(_EvictsAtTheEnd):
+    """Local files and directories, written by Lightning into a staging sibling and moved into place by rank 0."""
+
+    def __init__(self, collective: Any, storage: Storage) -> None:
+        super().__init__(collective)
+        self._storage = storage
+        self._created: list[str] = []
+
+    def open(self, before: Ledger | None) -> None:
+        super().open(before)
+        self._created = []
+
+    def save(self, filepath: str, write: Write) -> None:
+        staging = staging_path(filepath)
+        rank_zero = _is_rank_zero(self._collective)
+        if rank_zero:
+            self._storage.release_retired(filepath)  # at most two copies of a name at a time
+        try:
+            write(staging)
+        except BaseException:
+            if rank_zero:
+                discard(staging)
+            raise
+        self._written.append(filepath)
+        # a write that left nothing there (a checkpoint IO writing elsewhere) has nothing to publish
+        if rank_zero and os.path.lexists(staging):
+            self._in_place(filepath, staging, lambda: move_into_place(staging, filepath), self._created)
+
+    def link(self, target: str, linkpath: str, link: Link) -> None:
+        # made beside `linkpath` (same relative target) and renamed over it: `last` is never absent
+        staging = staging_path(linkpath)
+        link(target, staging)  # rank 0 links, then ModelCheckpoint's barrier
+        self._written.append(linkpath)
+        if _is_rank_zero(self._collective) and os.path.lexists(staging):
+            self._in_place(linkpath, staging, lambda: move_into_place(staging, linkpath), self._created)
+
+
+class DirectWriter(_EvictsAtTheEnd):
+    """Writes at the real name, as ``ModelCheckpoint`` does (object storage, where one upload is atomic; a user's
+    own ``CheckpointIO`` or ``save_checkpoint``, which gets exactly the path it is given)."""
+
+    def save(self, filepath: str, write: Write) -> None:
+        write(filepath)
+        self._written.append(filepath)
+
+    def link(self, target: str, linkpath: str, link: Link) -> None:
+        link(target, linkpath)
+        self._written.append(linkpath)
+
+
+class BackgroundWriter:
+    """Under Lightning's ``AsyncCheckpointIO``: each accepted boundary's storage operations as one unit, run in
+    acceptance order on the guard's one publication thread; the plugin is called as ``ModelCheckpoint`` calls it."""
+
+    def __init__(self, collective: Any, plugin: Any) -> None:
+        self._collective = collective
+        self._writes = PluginWrites.install(plugin)
+        self._publisher = BackgroundPublisher()
+        self._unit: PublicationUnit | None = None
+
+    def open(self, before: Ledger | None) -> None:
+        assert before is not None  # a Trainer's boundary: its ledger
+        self._unit = self._publisher.open_unit(before)
+        self._writes.unit = self._unit  # the plugin's removals of this boundary wait in its unit
+
+    def save(self, filepath: str, write: Write) -> None:
+        unit, writes = self._unit, self._writes
+        assert unit is not None
+        expected = writes.expect(filepath) if _is_rank_zero(self._collective) else None  # rank 0 calls the plugin
+        try:
+            write(filepath)
+        except BaseException:
+            if expected is not None:
+                writes.forget(filepath, expected)
+            raise
+        if expected is not None:
+            unit.write(expected.staging, writes.writer(filepath, expected))
+            unit.publish(expected.staging, filepath)
+
+    def link(self, target: str, linkpath: str, link: Link) -> None:
+        assert self._unit is not None
+        if _is_rank_zero(self._collective) and os.path.abspath(target) != os.path.abspath(linkpath):
+            self._unit.link(target, linkpath)  # once the target is published, in the boundary's unit
+        barrier(self._collective, "ModelCheckpoint._link_checkpoint")  # the collective ModelCheckpoint's link ends with
+
+    def remove(self, path: str, remove: Remove) -> None:
+        remove(path)  # the plugin is called now, as by ModelCheckpoint; the removal itself waits in the unit
+
+    def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
+        unit, self._unit = self._unit, None
+        self._writes.unit = None
+        if published and unit is not None:
+            self._publisher.submit(unit)  # queued behind the boundaries accepted before it
+
+    def report(self) -> list[int]:
+        return self._publisher.report()
+
+    def settle(self, collective: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
+        return self._publisher.settle(collective, rows)
+
+    def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
+        self._publisher.wait()
+        try:
+            if during_exception:
+                return self._publisher.local_failure()
+            return self._publisher.settle(collective, gather_ints(collective, self.report()))
+        finally:
+            self._publisher.close()
+
+    def wait(self) -> None:
+        self._publisher.wait()
+
+    def release(self) -> None:
+        self._publisher.close()
+        self._writes.uninstall()
+
+
+def _is_rank_zero(collective: Any) -> bool:
+    """Whether this rank moves, links and evicts (rank 0; the only one without peers)."""
+    return bool(getattr(collective, "is_global_zero", True))
+
+
+def _remove_all(paths: Any, remove: Remove) -> None:
+    for path in list(paths):
+        try:
+            remove(path)
+        except Exception as cleanup_error:  # the original error is the one to surface
+            log.warning("Could not remove %s after a failed checkpoint write: %s", path, cleanup_error)
+
+
+def choose_writer(collective: Any, storage: Storage, *, in_background: Any | None, writes_through_lightning: bool,
+                  staged_io: bool) -> Writer:
+    """The write path of one fit (the same on every rank): ``in_background`` is the Trainer's ``AsyncCheckpointIO``
+    when its writes can be published in the background; ``writes_through_lightning`` says the Trainer's own
+    ``save_checkpoint`` writes (not one the user replaced); ``staged_io`` that its checkpoint IO writes exactly the
+    path it is given (Lightning's own, or a strategy that writes directories)."""
+    if in_background is not None:
+        return BackgroundWriter(collective, in_background)
+    if storage.stages_writes and writes_through_lightning and staged_io:
+        return StagedWriter(collective, storage)
+    return DirectWriter(collective)
+
+
+__all__ = ["BackgroundWriter", "DirectWriter", "StagedWriter", "WriteFailure", "Writer", "choose_writer"]
