@@ -143,3 +143,31 @@ def test_a_layer_is_a_folder(layer):
         assert member.split(".")[0] == FOLDERS[layer], f"{member} ({layer}) is not under {FOLDERS[layer]}/"
     in_folder = {name for name in MODULES if name.startswith(f"{PACKAGE}.{FOLDERS[layer]}")}
     assert {_layer_of(name) for name in in_folder} == {layer}
+
+
+#: The longest function body the package allows (its signature and docstring aside), and the callback module's size.
+MAX_BODY_LINES = 40
+MAX_CALLBACK_LINES = 350
+
+
+def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value,
+                                                                                                 str):
+        body = body[1:]  # the docstring
+    return body[-1].end_lineno - body[0].lineno + 1 if body else 0  # type: ignore[operator]
+
+
+def test_no_function_body_is_longer_than_40_lines():
+    long = sorted(
+        f"{module}.{node.name}: {_body_lines(node)} lines"
+        for module, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _body_lines(node) > MAX_BODY_LINES
+    )
+    assert not long, long
+
+
+def test_the_callback_module_holds_only_what_faces_lightning():
+    lines = len(MODULES[f"{PACKAGE}.lightning.callback"].read_text().splitlines())
+    assert lines <= MAX_CALLBACK_LINES, f"callback.py has {lines} lines"

@@ -6,8 +6,6 @@ state. Each hook hands its work to the fit's :class:`~lightning_ckguard.lightnin
 its first file operation, and its file operations go through the fit's one writer.
 """
 
-import os
-import re
 import sys
 from datetime import timedelta
 from functools import partial
@@ -25,6 +23,7 @@ from torch.optim import Optimizer
 from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.errors import NonFiniteGradientError
+from lightning_ckguard.lightning import packages, validation
 from lightning_ckguard.lightning.fit import (
     Decisions,
     GuardedFit,
@@ -32,15 +31,10 @@ from lightning_ckguard.lightning.fit import (
     link_in_boundary,
     own_transaction,
 )
-from lightning_ckguard.lightning.packages import PUBLIC_NAME, LightningPackage, package_of, wrong_package_error
-from lightning_ckguard.lightning.validation import MODEL_CHECKPOINT_ARGUMENTS, validate_arguments
+from lightning_ckguard.lightning.packages import PUBLIC_NAME, LightningPackage
 from lightning_ckguard.publish.storage import storage_for
 from lightning_ckguard.recover.policy import NonFinitePolicy
 from lightning_ckguard.recover.rewind import Rewind
-
-#: Version of the callback state this release writes; states without one are ``ModelCheckpoint``'s format (version 1).
-STATE_FORMAT_VERSION = 1
-_FORMAT_KEY = "ckguard_format_version"
 
 if TYPE_CHECKING:
     _CheckpointBase = ModelCheckpoint  # what the mixin is always combined with, for the type checker
@@ -120,8 +114,8 @@ class GuardedCheckpoint(_CheckpointBase):
         max_rewinds: int | None = None,
     ) -> None:
         arguments = dict(locals())
-        validate_arguments(arguments)
-        super().__init__(**{name: arguments[name] for name in MODEL_CHECKPOINT_ARGUMENTS})
+        validation.validate_arguments(arguments)
+        super().__init__(**{name: arguments[name] for name in validation.MODEL_CHECKPOINT_ARGUMENTS})
         self.on_non_finite: NonFinitePolicy = on_non_finite
         self.count_skipped_steps = count_skipped_steps
         self.max_rewinds = max_rewinds
@@ -150,8 +144,6 @@ class GuardedCheckpoint(_CheckpointBase):
         """The verdict of the most recent agreement (boundary or manual save), identical on every rank."""
         return self._decisions.last_verdict
 
-    # ------------------------------------------------------------------ setup, recording, teardown
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """``ModelCheckpoint.setup``; then, on every rank: refuse a Trainer of the other Lightning package, seal the
         Trainer's writes, choose the write path of this fit once, recover what an interrupted publication left, and
@@ -162,13 +154,13 @@ class GuardedCheckpoint(_CheckpointBase):
         """
         if not isinstance(trainer, self._lightning.trainer):
             # a Trainer of the other package would not treat this callback as a ModelCheckpoint: refuse it
-            raise wrong_package_error(self._lightning.name, type(trainer).__module__, type(trainer).__qualname__)
+            given = type(trainer)
+            raise packages.wrong_package_error(self._lightning.name, given.__module__, given.__qualname__)
         super().setup(trainer, pl_module, stage)
         self._fit = GuardedFit.set_up(self, trainer, stage)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Give the Trainer back its own ``save_checkpoint`` (not after a rejection: the seal stays), stop the
-        writer, and log the ``ckguard/*`` values no flush carried."""
+        """Give back the Trainer's ``save_checkpoint`` (not after a rejection), stop the writer, log what is left."""
         if self._fit is not None:
             self._fit.tear_down()
             self._fit = None
@@ -178,11 +170,9 @@ class GuardedCheckpoint(_CheckpointBase):
         ``on_non_finite="rewind"``, this fit's rewind log; a new fit after a rejection starts unsealed."""
         self._fit_for(trainer).start_fitting(pl_module)
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        """Record, on the device, whether the gradients ``optimizer`` is about to apply are finite (no host sync,
-        no collective)."""
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+                                 ) -> None:
+        """Record, on the device, whether the gradients ``optimizer`` is about to apply are finite (no host sync)."""
         if self._fit is not None:  # after backward, accumulation and AMP unscaling, before clipping and the step
             self._fit.record(optimizer)
 
@@ -271,12 +261,8 @@ class GuardedCheckpoint(_CheckpointBase):
         super()._remove_checkpoint(trainer, filepath)
 
     def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, Tensor]:
-        """``ModelCheckpoint``'s candidates, after every rank voted on the monitored value (one collective).
-
-        ``ModelCheckpoint`` asks for them where it will consider saving, at the same point on every rank, then branches
-        on whether the monitored key is there. A key missing on some ranks only would send them down different
-        branches; after the vote it is present on every rank or removed on every rank.
-        """
+        """``ModelCheckpoint``'s candidates, after every rank voted on the monitored value (one collective): the key
+        is then present on every rank or removed on every rank, so no rank branches alone."""
         candidates = super()._monitor_candidates(trainer)
         if self.monitor is not None and self._fit_for(trainer).take_vote(candidates.get(self.monitor)).missing_ranks:
             candidates.pop(self.monitor, None)
@@ -310,13 +296,8 @@ class GuardedCheckpoint(_CheckpointBase):
         dirpath = self.dirpath if self.dirpath is not None else resolve_dirpath(trainer)
         storage = storage_for(get_filesystem(dirpath))  # the directory's own: `_fs` is local until `setup`
         fallback = partial(super()._find_last_checkpoints, trainer)
-        return storage.last_checkpoints(str(dirpath), trainer.global_rank, self._is_last_name, fallback)
-
-    def _is_last_name(self, name: str) -> bool:
-        """Whether a file name is one ``ModelCheckpoint`` gives a ``last`` checkpoint (``last.ckpt``, ``last-v1.ckpt``),
-        by the test ``ModelCheckpoint._find_last_checkpoints`` applies."""
-        stem, suffix = os.path.splitext(name)
-        return suffix == self.FILE_EXTENSION and re.match(rf"^{self.CHECKPOINT_NAME_LAST}(-(\d+))?", stem) is not None
+        is_last = partial(packages.is_last_name, self.CHECKPOINT_NAME_LAST, self.FILE_EXTENSION)
+        return storage.last_checkpoints(str(dirpath), trainer.global_rank, is_last, fallback)
 
     # ------------------------------------------------------------------ state
 
@@ -330,17 +311,16 @@ class GuardedCheckpoint(_CheckpointBase):
                 is constructed, before any hook could say which import fits).
         """
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        if package_of(caller) not in (None, self._lightning.name):
-            raise wrong_package_error(self._lightning.name, caller)
+        if packages.package_of(caller) not in (None, self._lightning.name):
+            raise packages.wrong_package_error(self._lightning.name, caller)
         key = super().state_key
         return "ModelCheckpoint" + key[len(PUBLIC_NAME):] if type(self).__qualname__ == PUBLIC_NAME else key
 
     @property
     def _legacy_state_key(self) -> Any:
         # where earlier releases stored the state ("FiniteGradCheckpoint{...}"): Lightning falls back to it on load
-        if type(self).__qualname__ == PUBLIC_NAME:
-            return PUBLIC_NAME + self.state_key[len("ModelCheckpoint"):]
-        return super()._legacy_state_key
+        own_name = type(self).__qualname__ == PUBLIC_NAME
+        return PUBLIC_NAME + self.state_key[len("ModelCheckpoint"):] if own_name else super()._legacy_state_key
 
     def __getstate__(self) -> dict[str, Any]:
         # what only means something while a fit runs is not part of the callback's value
@@ -348,7 +328,7 @@ class GuardedCheckpoint(_CheckpointBase):
 
     def state_dict(self) -> dict[str, Any]:
         """``ModelCheckpoint``'s state, plus the format version of this release."""
-        return {**super().state_dict(), _FORMAT_KEY: STATE_FORMAT_VERSION}
+        return validation.with_format_version(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by this or an earlier release, or by a plain ``ModelCheckpoint``; forget (with a
@@ -357,14 +337,7 @@ class GuardedCheckpoint(_CheckpointBase):
         Raises:
             ValueError: If the state comes from a newer, unknown format: loading it could silently drop bookkeeping.
         """
-        version = state_dict.get(_FORMAT_KEY, 1)
-        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_FORMAT_VERSION:
-            raise ValueError(
-                f"The checkpoint's FiniteGradCheckpoint state has format version {version!r}, but this "
-                f"lightning_ckguard reads versions 1 to {STATE_FORMAT_VERSION}. It was written by a newer release: "
-                "upgrade lightning_ckguard to resume from it."
-            )
-        super().load_state_dict({key: value for key, value in state_dict.items() if key != _FORMAT_KEY})
+        super().load_state_dict(validation.without_format_version(state_dict))
         drop_missing_checkpoints(self, self._fit)
 
 

@@ -3,6 +3,8 @@ classes, and a Trainer only treats a callback of its own package's ``ModelCheckp
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 #: The public class name in either package; the state key and messages use it.
@@ -30,6 +32,13 @@ def package_of(module: str) -> str | None:
     return next((name for name in IMPORT_FOR_PACKAGE if module == name or module.startswith(name + ".")), None)
 
 
+def is_last_name(last: str, extension: str, name: str) -> bool:
+    """Whether a file name is one ``ModelCheckpoint`` gives a ``last`` checkpoint (``last.ckpt``, ``last-v1.ckpt``) with
+    its ``CHECKPOINT_NAME_LAST`` and ``FILE_EXTENSION``, as ``ModelCheckpoint._find_last_checkpoints`` tests it."""
+    stem, suffix = os.path.splitext(name)
+    return suffix == extension and re.match(rf"^{last}(-(\d+))?", stem) is not None
+
+
 def wrong_package_error(here: str, module: str, trainer_class: str | None = None) -> TypeError:
     """The error of a ``here`` callback given a Trainer of another package: ``module`` is the Trainer's (or the Trainer
     code's) module."""
@@ -43,4 +52,4 @@ def wrong_package_error(here: str, module: str, trainer_class: str | None = None
     )
 
 
-__all__ = ["IMPORT_FOR_PACKAGE", "PUBLIC_NAME", "LightningPackage", "package_of", "wrong_package_error"]
+__all__ = ["IMPORT_FOR_PACKAGE", "PUBLIC_NAME", "LightningPackage", "is_last_name", "package_of", "wrong_package_error"]

@@ -98,3 +98,29 @@ MODEL_CHECKPOINT_ARGUMENTS = (
     "mode", "auto_insert_metric_name", "every_n_train_steps", "train_time_interval", "every_n_epochs",
     "save_on_train_epoch_end", "enable_version_counter",
 )
+
+
+#: Version of the callback state this release writes; states without one are ``ModelCheckpoint``'s format (version 1).
+STATE_FORMAT_VERSION = 1
+_FORMAT_KEY = "ckguard_format_version"
+
+
+def with_format_version(state: dict[str, Any]) -> dict[str, Any]:
+    """``ModelCheckpoint``'s state with the format version of this release."""
+    return {**state, _FORMAT_KEY: STATE_FORMAT_VERSION}
+
+
+def without_format_version(state: dict[str, Any]) -> dict[str, Any]:
+    """``ModelCheckpoint``'s state from a state this or an earlier release wrote (or a plain ``ModelCheckpoint``).
+
+    Raises:
+        ValueError: If the state comes from a newer, unknown format: loading it could silently drop bookkeeping.
+    """
+    version = state.get(_FORMAT_KEY, 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_FORMAT_VERSION:
+        raise ValueError(
+            f"The checkpoint's FiniteGradCheckpoint state has format version {version!r}, but this "
+            f"lightning_ckguard reads versions 1 to {STATE_FORMAT_VERSION}. It was written by a newer release: "
+            "upgrade lightning_ckguard to resume from it."
+        )
+    return {key: value for key, value in state.items() if key != _FORMAT_KEY}

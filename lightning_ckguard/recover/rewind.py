@@ -156,8 +156,17 @@ class RewindLog:
             ranks = ", ".join(map(str, failed.ranks))
             raise self.refusal(report, f"restoring {path} failed on rank(s) {ranks}: {failed.cause}") from failure
         now = Position.of(trainer)
+        record = self._record(report, path, published_at, now)
+        self.rewinds.append(record)
+        self._window_start = now
+        if trainer.is_global_zero:
+            self._append_line(record)
+        return record
+
+    def _record(self, report: BoundaryReport, path: str, published_at: Position, now: Position) -> Rewind:
+        """The record of the rewind just made: from ``now`` back to ``path``, published at ``published_at``."""
         start = self._window_start
-        record = Rewind(
+        return Rewind(
             number=len(self.rewinds) + 1,
             boundary=report.boundary,
             global_step=now.global_step,
@@ -174,11 +183,6 @@ class RewindLog:
             skipped_steps=report.skipped_steps,
             non_finite_state=report.non_finite_state,
         )
-        self.rewinds.append(record)
-        self._window_start = now
-        if trainer.is_global_zero:
-            self._append_line(record)
-        return record
 
     def refusal(self, report: BoundaryReport, reason: str) -> RewindRefusedError:
         """The error of a rejected boundary that is not rewound, naming every earlier rewind of this fit."""
