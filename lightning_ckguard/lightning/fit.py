@@ -87,7 +87,7 @@ class GuardedFit:
     def for_trainer(cls, checkpoint: Any, trainer: Any) -> GuardedFit:
         """The fit of a Trainer that no ``setup`` announced (driven by hand): its write path, nothing prepared."""
         storage = storage_for(checkpoint._fs)
-        return cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
+        return cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage, background=False))
 
     @classmethod
     def set_up(cls, checkpoint: Any, trainer: Any, stage: str) -> GuardedFit:
@@ -221,9 +221,9 @@ class GuardedFit:
         return verdict, [list(row) for row in carried]
 
     def _agree(self, boundary: str) -> Verdict:
-        verdict, rows = self._collect([])
+        # the writer's report rides along unread: an earlier write's failure surfaces at the next boundary
+        verdict, _ = self._collect([])
         self._apply_verdict(verdict, boundary)
-        self._raise_write_failure(self.writer.settle(self.trainer.strategy, rows))
         return verdict
 
     def _apply_verdict(self, verdict: Verdict, boundary: str) -> None:
@@ -324,7 +324,7 @@ class GuardedFit:
             failure = self.writer.finish(self.trainer.strategy, during_exception)
             if during_exception and failure is not None:
                 self._roll_back(failure)
-                rank_zero_warn(f"FiniteGradCheckpoint: a background checkpoint write failed as well: {failure.error}")
+                rank_zero_warn(f"FiniteGradCheckpoint: a checkpoint write failed as well: {failure.error}")
             else:
                 self._raise_write_failure(failure)
         finally:
@@ -410,15 +410,17 @@ def _dirpath(checkpoint: Any) -> str | None:
     return str(checkpoint.dirpath) if checkpoint.dirpath is not None else None
 
 
-def _writer_for(checkpoint: Any, trainer: Any, storage: Storage) -> Writer:
+def _writer_for(checkpoint: Any, trainer: Any, storage: Storage, background: bool = True) -> Writer:
     """The fit's write path. In the background under Lightning's ``AsyncCheckpointIO`` (a subclass too) over its
     ``TorchCheckpointIO``, for single files in a local ``dirpath``; staged for what Lightning writes itself into a
-    local ``dirpath`` (its ``TorchCheckpointIO``, or a strategy that writes directories); else as given."""
+    local ``dirpath`` (its ``TorchCheckpointIO``, or a strategy that writes directories); else as given. Only a fit
+    ``setup`` announced (``background``) publishes in the background: one driven by hand has no teardown."""
     package, strategy = checkpoint._lightning, trainer.strategy
     plugin = strategy.checkpoint_io
     through_lightning = PublicationSeal.writes_through_lightning(trainer)
     in_background = (
-        isinstance(plugin, package.async_checkpoint_io)
+        background
+        and isinstance(plugin, package.async_checkpoint_io)
         and isinstance(plugin.checkpoint_io, package.torch_checkpoint_io)
         and hasattr(plugin, "_checkpoint_io")
         and not writes_directories(strategy)

@@ -84,18 +84,15 @@ class _HeldFailure:
 
 
 class _EvictsAtTheEnd:
-    """Evictions held until the boundary published everything; what it wrote under a name is not evicted."""
+    """Evictions held until the boundary published everything; what it wrote under a name is not evicted. Nothing is
+    left to report: every write raised, if it failed, on every rank."""
 
     def __init__(self, collective: Any) -> None:
         self._collective = collective
-        self._held: _HeldFailure | None = None
-        self._unconfirmed: Ledger | None = None  # the ledger before the first boundary not yet agreed published
         self._written: list[str] = []
         self._evictions: list[tuple[str, Remove]] = []
 
     def open(self, before: Ledger | None) -> None:
-        if self._unconfirmed is None:
-            self._unconfirmed = before
         self._written, self._evictions = [], []
 
     def remove(self, path: str, remove: Remove) -> None:
@@ -106,10 +103,46 @@ class _EvictsAtTheEnd:
         if not published:
             _remove_all(reversed(created), remove)
             return
-        if self._held is None:
-            for path, evict in evictions:
-                if path not in self._written:  # a name written anew is the new checkpoint, not an eviction
-                    evict(path)
+        for path, evict in evictions:
+            if path not in self._written:  # a name written anew is the new checkpoint, not an eviction
+                evict(path)
+
+    def report(self) -> list[int]:
+        return []
+
+    def settle(self, collective: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
+        return None
+
+    def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
+        return None
+
+    def wait(self) -> None:
+        """Synchronous: every write has run."""
+
+    def release(self) -> None:
+        """Nothing to give back."""
+
+
+class _HoldsFailures(_EvictsAtTheEnd):
+    """What rank 0 puts in place alone, after the boundary's last collective: a failure is held, undoes what the
+    boundary created, stops everything after it, and is reported in the next agreement or at the end of the fit."""
+
+    def __init__(self, collective: Any) -> None:
+        super().__init__(collective)
+        self._held: _HeldFailure | None = None
+        self._unconfirmed: Ledger | None = None  # the ledger before the first boundary not yet agreed published
+        self._created: list[str] = []
+
+    def open(self, before: Ledger | None) -> None:
+        super().open(before)
+        if self._unconfirmed is None:
+            self._unconfirmed = before
+        self._created = []
+
+    def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
+        if self._held is not None and published:
+            self._evictions = []  # nothing is evicted for a boundary that was not published whole
+        super().close(published, created, remove)
 
     def report(self) -> list[int]:
         return [int(self._held is not None)]
@@ -125,18 +158,12 @@ class _EvictsAtTheEnd:
         return WriteFailure(error, published)
 
     def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
-        if during_exception:
+        if during_exception:  # no collective is safe: this rank's own failure only
             held, self._held = self._held, None
             return WriteFailure(held.error, self._unconfirmed) if held is not None else None
         return self.settle(collective, gather_ints(collective, self.report()))
 
-    def wait(self) -> None:
-        """Synchronous: every write has run."""
-
-    def release(self) -> None:
-        """Nothing to give back."""
-
-    def _in_place(self, filepath: str, staging: str, put: Callable[[], None], created: list[str]) -> None:
+    def _in_place(self, filepath: str, staging: str, put: Callable[[], None]) -> None:
         """Rank 0 puts ``staging`` in place as ``filepath`` (``put``); a failure is held, and undoes the boundary."""
         if self._held is not None:
             discard(staging)
@@ -147,23 +174,18 @@ class _EvictsAtTheEnd:
         except Exception as error:
             discard(staging)
             self._held = _HeldFailure(error, filepath)
-            _remove_all(created, discard)  # what this boundary created on rank 0 alone
+            _remove_all(self._created, discard)  # what this boundary created, on rank 0 alone
             return
         if new:
-            created.append(filepath)
+            self._created.append(filepath)
 
 
-class StagedWriter(_EvictsAtTheEnd):
+class StagedWriter(_HoldsFailures):
     """Local files and directories, written by Lightning into a staging sibling and moved into place by rank 0."""
 
     def __init__(self, collective: Any, storage: Storage) -> None:
         super().__init__(collective)
         self._storage = storage
-        self._created: list[str] = []
-
-    def open(self, before: Ledger | None) -> None:
-        super().open(before)
-        self._created = []
 
     def save(self, filepath: str, write: Write) -> None:
         staging = staging_path(filepath)
@@ -179,7 +201,7 @@ class StagedWriter(_EvictsAtTheEnd):
         self._written.append(filepath)
         # a write that left nothing there (a checkpoint IO writing elsewhere) has nothing to publish
         if rank_zero and os.path.lexists(staging):
-            self._in_place(filepath, staging, lambda: move_into_place(staging, filepath), self._created)
+            self._in_place(filepath, staging, lambda: move_into_place(staging, filepath))
 
     def link(self, target: str, linkpath: str, link: Link) -> None:
         # made beside `linkpath` (same relative target) and renamed over it: `last` is never absent
@@ -187,7 +209,7 @@ class StagedWriter(_EvictsAtTheEnd):
         link(target, staging)  # rank 0 links, then ModelCheckpoint's barrier
         self._written.append(linkpath)
         if _is_rank_zero(self._collective) and os.path.lexists(staging):
-            self._in_place(linkpath, staging, lambda: move_into_place(staging, linkpath), self._created)
+            self._in_place(linkpath, staging, lambda: move_into_place(staging, linkpath))
 
 
 class DirectWriter(_EvictsAtTheEnd):
