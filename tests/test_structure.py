@@ -27,8 +27,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "publish.background", "publish.remote", "publish.storage", "publish.writers"),
     "recover": ("recover", "recover.policy", "recover.rewind"),
     "core": ("core", "core.publisher"),  # the Trainer-free publisher: agreement and publication together
-    "lightning": ("", "lightning", "lightning.callback", "lightning.fit", "lightning.packages", "lightning.validation",
-                  "lightning.held_metrics", "pytorch_lightning"),  # "": the package itself
+    # "": the package itself; "callback": the import path of earlier releases
+    "lightning": ("", "callback", "lightning", "lightning.callback", "lightning.fit", "lightning.packages",
+                  "lightning.validation", "lightning.held_metrics", "pytorch_lightning"),
 }
 #: Each layer's folder: a module of a layer lives in its folder (the leaves and the public modules at the top).
 FOLDERS = {"record": "record", "agree": "agree", "publish": "publish", "recover": "recover", "core": "core"}

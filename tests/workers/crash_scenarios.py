@@ -53,7 +53,8 @@ from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, ledger_state  # noqa: E402
-from lightning_ckguard import FiniteGradCheckpoint, staging  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
+from lightning_ckguard.publish import staging  # noqa: E402
 from lightning_ckguard.publish.staging import STAGING_SUFFIX  # noqa: E402
 
 warnings.filterwarnings("ignore")
