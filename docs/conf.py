@@ -15,16 +15,21 @@ library) cannot be resolved; ``nitpick_ignore_regex`` lists them. Every other un
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import sys
 from typing import Any
+
+from sphinx.util import logging
 
 # The checkout being documented, not whatever `lightning_ckguard` an editable install elsewhere points at.
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
 import lightning_ckguard  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 project = "lightning_ckguard"
 author = "the lightning_ckguard authors"
@@ -164,7 +169,36 @@ def _napoleon_except_properties(app: Any) -> None:
             app.connect("autodoc-process-docstring", process, priority=listener.priority)
 
 
+def _own(obj: Any) -> Any:
+    return obj.fget if isinstance(obj, property) else getattr(obj, "__func__", obj)
+
+
+def _warn_undocumented_object(app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
+    """A reference entry (``autoclass``, ``autofunction``, ...) whose object has no docstring fails the build."""
+    if what in ("class", "exception", "function") and not any(line.strip() for line in lines):
+        logger.warning("%s has no docstring", name, type="ckguard", subtype="undocumented")
+
+
+def _warn_undocumented_member(app: Any, what: str, name: str, obj: Any, skip: bool, options: Any) -> None:
+    """A public method or property the package defines with no docstring of its own is left out by autodoc (no
+    ``:undoc-members:``); it fails the build instead. Members other packages define (``ModelCheckpoint``'s) are not
+    checked."""
+    target = _own(obj)
+    if (
+        skip
+        and not name.startswith("_")
+        and (inspect.isfunction(target) or inspect.isclass(target))
+        and getattr(target, "__module__", "").startswith("lightning_ckguard")
+        and not getattr(target, "__doc__", None)
+    ):
+        logger.warning("public member %s (%s) has no docstring", name, target.__qualname__, type="ckguard",
+                       subtype="undocumented")
+    return None
+
+
 def setup(app: Any) -> dict[str, Any]:
+    app.connect("autodoc-process-docstring", _warn_undocumented_object, priority=50)
+    app.connect("autodoc-skip-member", _warn_undocumented_member)
     app.connect("missing-reference", _resolve_public)
     app.connect("autodoc-process-bases", _public_bases)
     app.connect("autodoc-process-docstring", _join_wrapped_names, priority=100)  # before napoleon (500)
