@@ -36,7 +36,7 @@ def free_port() -> int:
 def run_ranks(script: str, args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a worker script whose rank 0 launches the other ranks (Lightning's subprocess launcher).
 
-    ``script`` is a path relative to ``tests/`` (e.g. ``workers/ddp_scenarios.py``) or absolute. The ranks run in a
+    ``script`` is a path relative to ``tests/`` (e.g. ``workers/ddp_worker.py``) or absolute. The ranks run in a
     session of their own, which is killed whole on the wall-clock ``timeout``, so a deadlock fails the test instead
     of hanging CI; it is killed too when the wait is interrupted (pytest-timeout, Ctrl-C), so no rank outlives its
     test and keeps the CPUs busy under the next one.

@@ -1,6 +1,6 @@
 """How many ``torch.distributed`` collectives the guard adds to ``ModelCheckpoint``'s, per boundary and per fit.
 
-Two real processes (gloo), ``workers/collective_counts.py``: every call of a ``torch.distributed`` collective is
+Two real processes (gloo), ``workers/collective_counts_worker.py``: every call of a ``torch.distributed`` collective is
 counted, for both classes, inside each boundary hook call and outside them. Both ranks must run exactly the same
 collectives (invariant 11). The numbers are in ``benchmarks/RESULTS.md`` (A11).
 
@@ -31,7 +31,7 @@ MAX_EXTRA_PER_FIT = 1
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("collective_counts")
-    return read_rank_results(out, run_ranks("workers/collective_counts.py", [str(out)], timeout=300))
+    return read_rank_results(out, run_ranks("workers/collective_counts_worker.py", [str(out)], timeout=300))
 
 
 def _total(calls: dict[str, int]) -> int:

@@ -1,6 +1,6 @@
 """No rank waits on a collective that another rank skips, and every collective takes the strategy's timeout.
 
-Two real processes (gloo, CPU), ``workers/early_exit.py``, one process group with a 20 s timeout.
+Two real processes (gloo, CPU), ``workers/early_exit_worker.py``, one process group with a 20 s timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(330)]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("early_exit")
-    return read_rank_results(out, run_ranks("workers/early_exit.py", [str(out)], timeout=300))
+    return read_rank_results(out, run_ranks("workers/early_exit_worker.py", [str(out)], timeout=300))
 
 
 def test_a_monitor_key_missing_on_one_rank_after_validation_raises_on_every_rank(ranks):

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("four")
-    proc = run_ranks("workers/ddp_scenarios.py", [str(out), *SCENARIOS], timeout=600,
+    proc = run_ranks("workers/ddp_worker.py", [str(out), *SCENARIOS], timeout=600,
                      env={"CKGUARD_TEST_DEVICES": "4"})
     return read_rank_results(out, proc, world_size=4)
 

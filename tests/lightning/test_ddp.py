@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every scenario on 2 ranks, built from one Lightning namespace (one launch per namespace)."""
     out = tmp_path_factory.mktemp(f"ddp-{IDS[request.param]}")
-    proc = run_ranks("workers/ddp_scenarios.py", [str(out)], timeout=600, env=lightning_env(request.param))
+    proc = run_ranks("workers/ddp_worker.py", [str(out)], timeout=600, env=lightning_env(request.param))
     results = read_rank_results(out, proc)
     for rank, rank_results in enumerate(results):  # the worker really built from the namespace the test asked for
         trainers = {r["trainer"] for r in rank_results.values() if "trainer" in r}

@@ -1,11 +1,11 @@
 """The fault matrix: strategy x faulty rank x boundary, on two real CPU processes (gloo).
 
-Every cell trains 4 optimizer steps with a NaN planted at step 3 on the faulty ranks (or nowhere), so the first
-boundary that would write after it is at global step 4 (see ``tests/workers/fault_matrix.py``). The expected outcome,
-on every rank: no fault, no error and the checkpoints written; a fault, the same ``NonFiniteGradientError`` fields on
-every rank, the checkpoint directory byte-identical to the snapshot taken right before the faulty step, and the
-callback's state unchanged. Each strategy runs its 16 cells in one process group (one worker launch) with a 60 s
-collective timeout, and a wall-clock timeout on top, so a hang fails instead of stalling CI.
+Every cell trains 4 optimizer steps with a NaN planted at step 3 on the faulty ranks (or nowhere), so the first boundary
+that would write after it is at global step 4 (see ``tests/workers/fault_matrix_worker.py``). The expected outcome, on
+every rank: no fault, no error and the checkpoints written; a fault, the same ``NonFiniteGradientError`` fields on every
+rank, the checkpoint directory byte-identical to the snapshot taken right before the faulty step, and the callback's
+state unchanged. Each strategy runs its 16 cells in one process group (one worker launch) with a 60 s collective
+timeout, and a wall-clock timeout on top, so a hang fails instead of stalling CI.
 
 When the cells are done, the whole matrix as they found it is printed (run with ``-s`` to see it) and written to
 ``matrix.md`` in a temporary directory; no test repeats the cells' checks. DeepSpeed cells skip when DeepSpeed is not
@@ -91,7 +91,7 @@ def _run(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[s
     if strategy in DEEPSPEED_PARAMETERS and (reason := deepspeed_missing()):
         return reason
     out = tmp_path_factory.mktemp(f"matrix-{strategy}")
-    proc = run_ranks("workers/fault_matrix.py", [strategy, str(out)], timeout=WORKER_TIMEOUT)
+    proc = run_ranks("workers/fault_matrix_worker.py", [strategy, str(out)], timeout=WORKER_TIMEOUT)
     (out / "output.txt").write_text(proc.stdout)  # both ranks' output, for a cell that failed unexpectedly
     rank0 = out / "rank0.json"
     assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"

@@ -7,7 +7,7 @@ are directories (DeepSpeed's engine checkpoints, torch distributed checkpoints),
 
 DeepSpeed runs through ``tests/deepspeed_shim.py`` (Lightning's ``DeepSpeedStrategy`` minus its CUDA checks); these
 tests skip when DeepSpeed is not importable. Each strategy runs all its scenarios in one process group
-(``tests/workers/sharded_scenarios.py``) with a 60 s collective timeout and a wall-clock timeout on top.
+(``tests/workers/sharded_worker.py``) with a 60 s collective timeout and a wall-clock timeout on top.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def results_for(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dic
         pytest.skip(reason)
     if kind not in _cache:
         out = tmp_path_factory.mktemp(kind)
-        proc = run_ranks("workers/sharded_scenarios.py", [kind, str(out)], timeout=280)
+        proc = run_ranks("workers/sharded_worker.py", [kind, str(out)], timeout=280)
         (out / "output.txt").write_text(proc.stdout)  # both ranks' output, for a scenario that failed unexpectedly
         rank0 = out / "rank0.json"
         assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"

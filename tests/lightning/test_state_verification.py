@@ -1,7 +1,7 @@
 """The state about to be written is checked on every rank, in the boundary's one agreement (2 real processes).
 
 Every scenario trains with finite gradients and poisons one tensor of rank 1's state right before a boundary that
-would write ``step=4.ckpt`` and move ``last`` (see ``tests/workers/state_scenarios.py``).
+would write ``step=4.ckpt`` and move ``last`` (see ``tests/workers/state_verification_worker.py``).
 Each must be rejected on every rank with the same error naming rank 1 and the tensor, with the directory and the
 callback's state exactly as they were. Before the state check, each of these published the poisoned state.
 """
@@ -37,7 +37,7 @@ def _run(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
         pytest.skip(reason)
     if not _results:
         out = tmp_path_factory.mktemp("state")
-        proc = run_ranks("workers/state_scenarios.py", [str(out), *POISONED], timeout=280)
+        proc = run_ranks("workers/state_verification_worker.py", [str(out), *POISONED], timeout=280)
         _results.extend(read_rank_results(str(out), proc))
     return [results[kind] for results in _results]
 
@@ -78,7 +78,8 @@ def _stress(tmp_path_factory: pytest.TempPathFactory, mode: str) -> list[list[di
         pytest.skip(reason)
     if not _stress_results:
         out = tmp_path_factory.mktemp("zero3")
-        proc = run_ranks("workers/zero3_stress.py", [str(out), f"gradient:{STRESS_ITERATIONS}", "master:1"],
+        proc = run_ranks("workers/state_verification_zero3_worker.py",
+                         [str(out), f"gradient:{STRESS_ITERATIONS}", "master:1"],
                          timeout=60 + 40 * (STRESS_ITERATIONS + 1))
         _stress_results.extend(read_rank_results(str(out), proc))
     return [results[mode] for results in _stress_results]

@@ -6,7 +6,7 @@ background write with ``AsyncCheckpointIO`` (single files).
 
 After every crash, every published name is a complete checkpoint that loads, a surviving rank failed instead of
 hanging, and ``ckpt_path="last"`` resumes from the newest complete ``last``; after the resume no ledger entry
-points at a missing file and nothing the crash left is still there. The worker is ``workers/crash_scenarios.py``.
+points at a missing file and nothing the crash left is still there. The worker is ``workers/crash_worker.py``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _crash(cell, strategy: str, phase: str, plain: bool = False):
             pytest.skip("needs a TMPDIR on another filesystem than the checkpoints (e.g. a tmpfs /dev/shm)")
         env = {"TMPDIR": tmpdir} if tmpdir else {}
     args = [str(cell), strategy, phase] + (["--plain"] if plain else [])
-    return run_ranks("workers/crash_scenarios.py", args, timeout=240, env=env)
+    return run_ranks("workers/crash_worker.py", args, timeout=240, env=env)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "fsdp2"])
@@ -90,7 +90,7 @@ def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tm
         assert not incomplete, f"{phase}: published but incomplete: {incomplete}"
 
     resumed = run_ranks(
-        "workers/crash_scenarios.py", [str(tmp_path), strategy, "resume", *map(str, cells.values())], timeout=420
+        "workers/crash_worker.py", [str(tmp_path), strategy, "resume", *map(str, cells.values())], timeout=420
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

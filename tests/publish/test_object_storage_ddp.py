@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 def ranks(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("object-storage-ddp")
     bucket = s3.new_bucket("ckguard-ddp")
-    proc = run_ranks("workers/object_storage_scenarios.py", [str(out), bucket], timeout=240,
+    proc = run_ranks("workers/object_storage_ddp_worker.py", [str(out), bucket], timeout=240,
                      env={"CKGUARD_TEST_S3_PID": str(s3.process.pid)})
     return read_rank_results(out, proc)
 

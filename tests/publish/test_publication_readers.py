@@ -1,7 +1,7 @@
 """What someone else sees while a two-rank run (gloo, CPU) publishes, and background writes under DDP.
 
 A separate process polls ``last.ckpt`` and the best checkpoint in a tight loop while training saves at every step,
-200 times (``workers/poll_last.py``, started by rank 0 of ``workers/publication_scenarios.py``): single files under
+200 times (``workers/poll_last.py``, started by rank 0 of ``workers/publication_readers_worker.py``): single files under
 DDP (with ``$TMPDIR`` on another filesystem, where fsspec copies its temporary file into place), directories under
 DeepSpeed ZeRO-2 and FSDP2. With ``FiniteGradCheckpoint`` it never finds ``last.ckpt`` absent, partial or failing to
 load; plain ``ModelCheckpoint`` is the control, and what it shows is asserted too (counts in benchmarks/RESULTS.md).
@@ -41,7 +41,7 @@ def results_for(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> list
             if tmpdir is None:
                 pytest.skip("needs a TMPDIR on another filesystem than the checkpoints (e.g. a tmpfs /dev/shm)")
             env["TMPDIR"] = tmpdir
-        proc = run_ranks("workers/publication_scenarios.py", [strategy, str(out), *SCENARIOS[strategy]],
+        proc = run_ranks("workers/publication_readers_worker.py", [strategy, str(out), *SCENARIOS[strategy]],
                          timeout=280, env=env)
         _cache[strategy] = read_rank_results(out, proc)
     return _cache[strategy]

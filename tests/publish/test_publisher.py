@@ -1,6 +1,6 @@
 """``CheckpointPublisher``: the callback's publication guarantees in a Fabric loop, without a Trainer.
 
-Two real processes (gloo), ``workers/publisher_scenarios.py``: a NaN on rank 1 only is rejected on both ranks with
+Two real processes (gloo), ``workers/publisher_worker.py``: a NaN on rank 1 only is rejected on both ranks with
 nothing written; a write refused on rank 0 raises on both and leaves no partial file; an FSDP2 (``fully_shard``)
 distributed checkpoint is published whole, as one directory. Single-process cases run in the fast lane.
 """
@@ -20,7 +20,7 @@ from lightning_ckguard import CheckpointPublisher, GradientGuard, NonFiniteGradi
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("publisher")
-    return read_rank_results(out, run_ranks("workers/publisher_scenarios.py", [str(out)], timeout=300))
+    return read_rank_results(out, run_ranks("workers/publisher_worker.py", [str(out)], timeout=300))
 
 
 def _errors(ranks: list[dict[str, Any]], scenario: str, step: int) -> list[str | None]:

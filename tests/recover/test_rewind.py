@@ -4,7 +4,7 @@ A NaN reaches rank 1 only, at steps 3, 7 and 11 (a checkpoint every 2 steps, top
 following boundary is rejected and every rank goes back, in place, to the checkpoint published 2 steps earlier. Right
 after each rewind every rank compares its own weights and optimizer state, tensor by tensor, with what the file holds
 (``tests/rewind_helpers.py``). A resumed fit then counts ``max_rewinds`` from zero. One process group per strategy
-runs all its scenarios (``tests/workers/rewind_scenarios.py``), with 60 s collective timeouts.
+runs all its scenarios (``tests/workers/rewind_worker.py``), with 60 s collective timeouts.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def results_for(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dic
         pytest.skip(reason)
     if kind not in _cache:
         out = tmp_path_factory.mktemp(f"rewind-{kind}")
-        proc = run_ranks("workers/rewind_scenarios.py", [kind, str(out)], timeout=280)
+        proc = run_ranks("workers/rewind_worker.py", [kind, str(out)], timeout=280)
         (out / "output.txt").write_text(proc.stdout)
         rank0 = out / "rank0.json"
         assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
