@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import read_rank_results, run_ranks
+from conftest import OUT, WorkerResults
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(330)]
 
@@ -29,9 +29,8 @@ MAX_EXTRA_PER_FIT = 1
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("collective_counts")
-    return read_rank_results(out, run_ranks("workers/collective_counts_worker.py", [str(out)], timeout=300))
+def ranks(worker_results: WorkerResults) -> list[dict[str, Any]]:
+    return worker_results("workers/collective_counts_worker.py", [OUT], timeout=300).ranks
 
 
 def _total(calls: dict[str, int]) -> int:

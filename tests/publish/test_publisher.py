@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import read_rank_results, run_ranks
+from conftest import OUT, WorkerResults
 from lightning_ckguard import CheckpointPublisher, GradientGuard, NonFiniteGradientError
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("publisher")
-    return read_rank_results(out, run_ranks("workers/publisher_worker.py", [str(out)], timeout=300))
+def ranks(worker_results: WorkerResults) -> list[dict[str, Any]]:
+    return worker_results("workers/publisher_worker.py", [OUT], timeout=300).ranks
 
 
 def _errors(ranks: list[dict[str, Any]], scenario: str, step: int) -> list[str | None]:
