@@ -1,3 +1,4 @@
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -6,6 +7,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,10 +39,13 @@ def free_port() -> int:
 def run_ranks(script: str, args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a worker script whose rank 0 launches the other ranks (Lightning's subprocess launcher).
 
-    ``script`` is a path relative to ``tests/`` (e.g. ``workers/ddp_scenarios.py``) or absolute. The ranks run in a
+    ``script`` is a path relative to ``tests/`` (e.g. ``workers/ddp_worker.py``) or absolute. The ranks run in a
     session of their own, which is killed whole on the wall-clock ``timeout``, so a deadlock fails the test instead
     of hanging CI; it is killed too when the wait is interrupted (pytest-timeout, Ctrl-C), so no rank outlives its
     test and keeps the CPUs busy under the next one.
+
+    A test module calls it directly only for a script whose output is its result (the examples); every worker under
+    ``workers/`` is launched through ``worker_results``, which calls this (``tests/docs/test_test_layout.py`` checks).
     """
     _require_multiprocess_marker(script)
     full_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
@@ -76,17 +82,97 @@ def _kill_session(proc: subprocess.Popen) -> None:
         pass
 
 
-def read_rank_results(out: Any, proc: subprocess.CompletedProcess, world_size: int = 2,
-                      prefix: str = "") -> list[dict[str, Any]]:
-    """The JSON each rank of a worker run wrote to ``out/{prefix}rank{N}.json``; fails with the output tail."""
-    results = []
-    for rank in range(world_size):
-        path = os.path.join(out, f"{prefix}rank{rank}.json")
-        assert os.path.exists(path), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-        with open(path) as f:
-            results.append(json.load(f))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return results
+#: In the arguments (and string environment values) of a ``worker_results`` launch: the launch's own output directory.
+OUT = "{out}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One worker launch, as ``worker_results`` returns it."""
+
+    #: the launch's own output directory (a fresh ``tmp_path_factory`` directory); ``output.txt`` holds its output
+    out: Path
+    #: the JSON each rank wrote to ``out/{prefix}rank{N}.json``, in rank order; ``None`` for a rank that wrote none
+    #: (only with ``check=False``: otherwise a missing file fails the test)
+    ranks: list[Any]
+    returncode: int
+    #: every rank's stdout and stderr, interleaved
+    stdout: str
+
+
+#: a value of ``env``: a string (``OUT`` in it replaced), or a function of the output directory that returns one, or
+#: ``None`` to leave the variable as the test process has it (a function may also skip the test)
+EnvValue = str | Callable[[str], "str | None"]
+
+
+class WorkerResults:
+    """The one way tests launch a worker script and read what its ranks wrote; the ``worker_results`` fixture.
+
+    ``worker_results(script, args, timeout=...)`` runs ``script`` (relative to ``tests/``, e.g.
+    ``workers/ddp_worker.py``) through ``run_ranks`` with ``OUT`` in ``args`` replaced by a fresh output directory,
+    and returns its ``Launch``: by default every rank must have written ``{prefix}rank{N}.json`` and the launch must
+    have exited 0, or the test fails with the output's tail; when rank 0 wrote ``{"unavailable": reason}`` (a
+    strategy this machine cannot run), the test skips. ``check=False`` returns whatever the ranks left (a crash test
+    kills some of them).
+
+    Each launch runs once per session: a second call with the same script, arguments, environment, ``world_size``,
+    ``prefix`` and ``check`` returns the first one's ``Launch``, or fails (skips) at once as the first one did,
+    instead of launching again. A module's tests therefore share one launch per scenario set however they are
+    parametrized, from a module fixture or a ``results_for(kind, worker_results)`` function alike.
+    """
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp_path_factory = tmp_path_factory
+        self._launches: dict[tuple[Any, ...], Launch | tuple[str, str]] = {}
+
+    def __call__(self, script: str, args: list[str], *, timeout: float, env: dict[str, EnvValue] | None = None,
+                 world_size: int = 2, prefix: str = "", check: bool = True) -> Launch:
+        env = env or {}
+        key = (script, tuple(args), tuple(sorted(env.items(), key=lambda item: item[0])), world_size, prefix, check)
+        if key not in self._launches:
+            try:
+                self._launches[key] = self._launch(script, args, timeout, env, world_size, prefix, check)
+            except pytest.skip.Exception as skipped:
+                self._launches[key] = ("skip", str(skipped.msg))
+                raise
+            except (AssertionError, pytest.fail.Exception) as failed:
+                self._launches[key] = ("fail", str(failed))
+                raise
+        launch = self._launches[key]
+        if isinstance(launch, tuple):  # the first call's outcome, without launching again
+            outcome, message = launch
+            if outcome == "skip":
+                pytest.skip(message)
+            pytest.fail(f"the earlier launch of {script} {args} failed: {message[:4000]}")
+        return launch
+
+    def _launch(self, script: str, args: list[str], timeout: float, env: dict[str, EnvValue], world_size: int,
+                prefix: str, check: bool) -> Launch:
+        out = self._tmp_path_factory.mktemp(Path(script).stem)
+        resolved = {name: value(str(out)) if callable(value) else value.replace(OUT, str(out))
+                    for name, value in env.items()}
+        proc = run_ranks(script, [arg.replace(OUT, str(out)) for arg in args], timeout=timeout,
+                         env={name: value for name, value in resolved.items() if value is not None})
+        (out / "output.txt").write_text(proc.stdout)  # every rank's output, for a scenario that failed unexpectedly
+        ranks: list[Any] = []
+        for rank in range(world_size):
+            path = out / f"{prefix}rank{rank}.json"
+            if not path.exists():
+                assert not check, f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+                ranks.append(None)
+                continue
+            ranks.append(json.loads(path.read_text()))
+            if check and rank == 0 and isinstance(ranks[0], dict) and ranks[0].get("unavailable"):
+                pytest.skip(ranks[0]["unavailable"])
+        if check:
+            assert proc.returncode == 0, proc.stdout[-4000:]
+        return Launch(out, ranks, proc.returncode, proc.stdout)
+
+
+@pytest.fixture(scope="session")
+def worker_results(tmp_path_factory: pytest.TempPathFactory) -> WorkerResults:
+    """Launch a worker once per session and read every rank's results: see ``WorkerResults``."""
+    return WorkerResults(tmp_path_factory)
 
 
 # The lanes: `multiprocess` marks every test that starts more than one process (each module or test says so

@@ -349,6 +349,16 @@ def cross_device_tmpdir(reference: str) -> str | None:
     return None
 
 
+def cross_device_tmpdir_or_skip(reference: str) -> str:
+    """``cross_device_tmpdir(reference)``, or skip the test where there is none (a ``worker_results`` env value)."""
+    import pytest  # test side only: the workers import this module too
+
+    tmpdir = cross_device_tmpdir(reference)
+    if tmpdir is None:
+        pytest.skip("needs a TMPDIR on another filesystem than the checkpoints (e.g. a tmpfs /dev/shm)")
+    return tmpdir
+
+
 def run_scenarios(scenarios: dict[str, Callable[[str], dict[str, Any]]], out: str, only: set[str]) -> None:
     """Worker side: run each scenario (all of them, or those in ``only``) in order on this rank, rewriting
     ``out/rank{N}.json`` after each one, so a scenario that kills the process still leaves the earlier results."""

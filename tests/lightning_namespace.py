@@ -4,7 +4,7 @@
 process picks one from the environment variable ``CKGUARD_TEST_LIGHTNING`` (``"lightning.pytorch"``, the default, or
 ``"pytorch_lightning"``); ``tests/helpers.py`` and ``tests/workers/strategies.py`` import from it, so a worker's
 ``FaultyModel`` and strategy belong to the Trainer it builds. The test that launches the worker sets the variable in
-the worker's environment (``run_ranks(..., env=lightning_env(name))``); the pytest process itself leaves it unset.
+the worker's environment (``worker_results(..., env=lightning_env(name))``); the pytest process itself leaves it unset.
 """
 
 from __future__ import annotations

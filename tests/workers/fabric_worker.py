@@ -1,4 +1,4 @@
-"""Two-rank CPU/gloo runs of ``GradientGuard`` without a Trainer, for ``tests/test_fabric.py``.
+"""Two-rank CPU/gloo runs of ``GradientGuard`` without a Trainer, for ``tests/publish/test_fabric.py``.
 
 ``python fabric_worker.py fabric OUT STEPS FAULT_STEP EVERY``: the training loop of ``examples/fabric_guard.py`` under
 Fabric (``strategy="ddp"``, 2 CPU processes, Fabric's own launcher starts rank 1 by re-running this script). Each rank

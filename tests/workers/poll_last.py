@@ -1,5 +1,5 @@
 """A reader that polls a checkpoint directory while training saves into it, run by
-``tests/workers/publication_scenarios.py``:
+``tests/workers/publication_readers_worker.py``:
 
     python poll_last.py DIRPATH STRATEGY STOP_FILE OUT_JSON
 

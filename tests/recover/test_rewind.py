@@ -4,18 +4,17 @@ A NaN reaches rank 1 only, at steps 3, 7 and 11 (a checkpoint every 2 steps, top
 following boundary is rejected and every rank goes back, in place, to the checkpoint published 2 steps earlier. Right
 after each rewind every rank compares its own weights and optimizer state, tensor by tensor, with what the file holds
 (``tests/rewind_helpers.py``). A resumed fit then counts ``max_rewinds`` from zero. One process group per strategy
-runs all its scenarios (``tests/workers/rewind_scenarios.py``), with 60 s collective timeouts.
+runs all its scenarios (``tests/workers/rewind_worker.py``), with 60 s collective timeouts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import pytest
 
-from conftest import TESTS, deepspeed_missing, read_rank_results, run_ranks
+from conftest import OUT, TESTS, WorkerResults, deepspeed_missing, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,24 +23,13 @@ DEEPSPEED_PARAMETERS = DEEPSPEED_KINDS  # their items are marked `deepspeed` (co
 KINDS = ["ddp", "zero1", *DEEPSPEED_KINDS, "fsdp2"]
 DEMO = os.path.join(os.path.dirname(TESTS), "examples", "rewind_demo.py")
 
-_cache: dict[str, list[dict[str, Any]]] = {}
 
 
-def results_for(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def results_for(kind: str, worker_results: WorkerResults) -> list[dict[str, Any]]:
     """Every scenario of ``kind``, as each rank saw it; run once per session."""
     if kind in DEEPSPEED_KINDS and (reason := deepspeed_missing()):
         pytest.skip(reason)
-    if kind not in _cache:
-        out = tmp_path_factory.mktemp(f"rewind-{kind}")
-        proc = run_ranks("workers/rewind_scenarios.py", [kind, str(out)], timeout=280)
-        (out / "output.txt").write_text(proc.stdout)
-        rank0 = out / "rank0.json"
-        assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-        unavailable = json.loads(rank0.read_text()).get("unavailable")
-        _cache[kind] = [{"unavailable": unavailable}] if unavailable else read_rank_results(out, proc)
-    if "unavailable" in _cache[kind][0]:
-        pytest.skip(_cache[kind][0]["unavailable"])
-    return _cache[kind]
+    return worker_results("workers/rewind_worker.py", [kind, OUT], timeout=280).ranks
 
 
 def _fault(kind: str, step: int) -> dict[str, Any]:
@@ -64,8 +52,8 @@ def _assert_restored(check: dict[str, Any], kind: str, where: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_rank_rewinds_in_place_to_the_checkpoint_it_published(tmp_path_factory, kind):
-    ranks = results_for(kind, tmp_path_factory)
+def test_every_rank_rewinds_in_place_to_the_checkpoint_it_published(worker_results, kind):
+    ranks = results_for(kind, worker_results)
     for rank, results in enumerate(ranks):
         result = results["rewinds"]
         assert result["error"] is None, f"rank {rank}: {result['error']}"
@@ -91,8 +79,8 @@ def test_every_rank_rewinds_in_place_to_the_checkpoint_it_published(tmp_path_fac
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_training_goes_on_to_max_steps_and_everything_published_is_finite(tmp_path_factory, kind):
-    ranks = results_for(kind, tmp_path_factory)
+def test_training_goes_on_to_max_steps_and_everything_published_is_finite(worker_results, kind):
+    ranks = results_for(kind, worker_results)
     for rank, results in enumerate(ranks):
         result = results["rewinds"]
         assert result["global_step"] == 14, f"rank {rank}: global_step counts on through the rewinds"
@@ -108,8 +96,8 @@ def test_training_goes_on_to_max_steps_and_everything_published_is_finite(tmp_pa
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_resumed_fit_counts_from_zero_and_the_next_fault_raises_with_the_history(tmp_path_factory, kind):
-    ranks = results_for(kind, tmp_path_factory)
+def test_a_resumed_fit_counts_from_zero_and_the_next_fault_raises_with_the_history(worker_results, kind):
+    ranks = results_for(kind, worker_results)
     errors = [results["resumed"]["error"] for results in ranks]
     assert errors[0] == errors[1], "every rank raises the same error"
     error = errors[0]
@@ -126,8 +114,8 @@ def test_a_resumed_fit_counts_from_zero_and_the_next_fault_raises_with_the_histo
     assert "(1) rewind 1 at global step 18" in ranks[1]["resumed"]["message"]
 
 
-def test_a_fault_before_any_published_checkpoint_raises_on_every_rank(tmp_path_factory):
-    ranks = results_for("ddp", tmp_path_factory)
+def test_a_fault_before_any_published_checkpoint_raises_on_every_rank(worker_results):
+    ranks = results_for("ddp", worker_results)
     errors = [results["no-checkpoint"]["error"] for results in ranks]
     assert errors[0] == errors[1]
     assert errors[0]["reason"] == "no checkpoint was published in this fit yet, so there is nothing to go back to"

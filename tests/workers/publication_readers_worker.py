@@ -1,7 +1,7 @@
 """What readers and background writes see of publication, on two ranks (gloo, CPU), run by
-``tests/test_publication_readers.py``:
+``tests/publish/test_publication_readers.py``:
 
-    python publication_scenarios.py STRATEGY OUT_DIR [SCENARIO ...]
+    python publication_readers_worker.py STRATEGY OUT_DIR [SCENARIO ...]
 
 ``STRATEGY`` is ``ddp`` (single files written by rank 0), ``ds2`` (DeepSpeed ZeRO-2 directories through
 ``tests/deepspeed_shim.py``) or ``fsdp2`` (distributed-checkpoint directories). Scenarios:

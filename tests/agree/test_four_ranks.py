@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import read_rank_results, run_ranks
+from conftest import OUT, WorkerResults
 
 SCENARIOS = ["ddp-periodic-reject", "zero1-val_topk-reject", "ddp-periodic-finite"]
 
@@ -14,11 +14,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("four")
-    proc = run_ranks("workers/ddp_scenarios.py", [str(out), *SCENARIOS], timeout=600,
-                     env={"CKGUARD_TEST_DEVICES": "4"})
-    return read_rank_results(out, proc, world_size=4)
+def ranks(worker_results: WorkerResults) -> list[dict]:
+    return worker_results("workers/ddp_worker.py", [OUT, *SCENARIOS], timeout=600,
+                          env={"CKGUARD_TEST_DEVICES": "4"}, world_size=4).ranks
 
 
 @pytest.mark.parametrize("name", ["ddp-periodic-reject", "zero1-val_topk-reject"])

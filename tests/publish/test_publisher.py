@@ -1,6 +1,6 @@
 """``CheckpointPublisher``: the callback's publication guarantees in a Fabric loop, without a Trainer.
 
-Two real processes (gloo), ``workers/publisher_scenarios.py``: a NaN on rank 1 only is rejected on both ranks with
+Two real processes (gloo), ``workers/publisher_worker.py``: a NaN on rank 1 only is rejected on both ranks with
 nothing written; a write refused on rank 0 raises on both and leaves no partial file; an FSDP2 (``fully_shard``)
 distributed checkpoint is published whole, as one directory. Single-process cases run in the fast lane.
 """
@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import read_rank_results, run_ranks
+from conftest import OUT, WorkerResults
 from lightning_ckguard import CheckpointPublisher, GradientGuard, NonFiniteGradientError
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("publisher")
-    return read_rank_results(out, run_ranks("workers/publisher_scenarios.py", [str(out)], timeout=300))
+def ranks(worker_results: WorkerResults) -> list[dict[str, Any]]:
+    return worker_results("workers/publisher_worker.py", [OUT], timeout=300).ranks
 
 
 def _errors(ranks: list[dict[str, Any]], scenario: str, step: int) -> list[str | None]:

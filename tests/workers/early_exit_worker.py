@@ -1,6 +1,6 @@
-"""Paths where one rank could leave a collective early, run by ``tests/test_early_exit.py`` as
+"""Paths where one rank could leave a collective early, run by ``tests/agree/test_early_exit.py`` as
 
-    python early_exit.py OUT_DIR
+    python early_exit_worker.py OUT_DIR
 
 Two ranks (gloo, CPU) in one process group whose timeout is ``TIMEOUT`` (``DDPStrategy(timeout=...)``), so a rank
 left waiting in a collective fails after it instead of hanging. The scenarios run in this order:

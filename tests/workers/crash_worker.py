@@ -1,7 +1,7 @@
-"""``kill -9`` at points of a checkpoint save, run by ``tests/test_crash.py``:
+"""``kill -9`` at points of a checkpoint save, run by ``tests/publish/test_crash.py``:
 
-    python crash_scenarios.py OUT_DIR STRATEGY PHASE [--plain]
-    python crash_scenarios.py OUT_DIR STRATEGY resume CELL_DIR [CELL_DIR ...]
+    python crash_worker.py OUT_DIR STRATEGY PHASE [--plain]
+    python crash_worker.py OUT_DIR STRATEGY resume CELL_DIR [CELL_DIR ...]
 
 ``STRATEGY`` is ``ddp`` (single-file checkpoints written by rank 0), ``deepspeed`` (ZeRO-2 directories through
 ``tests/deepspeed_shim.py``) or ``fsdp2`` (distributed-checkpoint directories). Two ranks (gloo, CPU) save every 2

@@ -7,19 +7,18 @@ are directories (DeepSpeed's engine checkpoints, torch distributed checkpoints),
 
 DeepSpeed runs through ``tests/deepspeed_shim.py`` (Lightning's ``DeepSpeedStrategy`` minus its CUDA checks); these
 tests skip when DeepSpeed is not importable. Each strategy runs all its scenarios in one process group
-(``tests/workers/sharded_scenarios.py``) with a 60 s collective timeout and a wall-clock timeout on top.
+(``tests/workers/sharded_worker.py``) with a 60 s collective timeout and a wall-clock timeout on top.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import pytest
 from sharded_helpers import APPLIED_NAN_STATE, FAULT_PARAMETERS
 
-from conftest import TESTS, deepspeed_missing, read_rank_results, run_ranks
+from conftest import OUT, TESTS, WorkerResults, deepspeed_missing, run_ranks
 from helpers import relative_paths
 
 pytestmark = pytest.mark.multiprocess
@@ -50,27 +49,13 @@ EXPECTED = {
     "fsdp2": {**EXPECTED_REJECTION, "non_finite_state": APPLIED_NAN_STATE["fsdp2"]},
 }
 
-_cache: dict[str, list[dict[str, Any]]] = {}
 
 
-def results_for(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def results_for(kind: str, worker_results: WorkerResults) -> list[dict[str, Any]]:
     """Every scenario of ``kind``, as each rank saw it; run once per session."""
     if kind in DEEPSPEED_KINDS and (reason := deepspeed_missing()):
         pytest.skip(reason)
-    if kind not in _cache:
-        out = tmp_path_factory.mktemp(kind)
-        proc = run_ranks("workers/sharded_scenarios.py", [kind, str(out)], timeout=280)
-        (out / "output.txt").write_text(proc.stdout)  # both ranks' output, for a scenario that failed unexpectedly
-        rank0 = out / "rank0.json"
-        assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-        unavailable = json.loads(rank0.read_text()).get("unavailable")
-        if unavailable:
-            _cache[kind] = [{"unavailable": unavailable}]
-        else:
-            _cache[kind] = read_rank_results(out, proc)
-    if "unavailable" in _cache[kind][0]:
-        pytest.skip(_cache[kind][0]["unavailable"])
-    return _cache[kind]
+    return worker_results("workers/sharded_worker.py", [kind, OUT], timeout=280).ranks
 
 
 def _dirname(result: dict[str, Any]) -> str:
@@ -84,8 +69,8 @@ def _checkpoints_are_directories(tree: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("boundary", BOUNDARIES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_nan_in_one_ranks_partition_is_rejected_on_every_rank(tmp_path_factory, kind, boundary):
-    ranks = results_for(kind, tmp_path_factory)
+def test_nan_in_one_ranks_partition_is_rejected_on_every_rank(worker_results, kind, boundary):
+    ranks = results_for(kind, worker_results)
     name = f"{boundary}-reject"
     for rank, results in enumerate(ranks):
         result = results[name]
@@ -123,8 +108,8 @@ SKIPPED_AND_COUNTED = {**EXPECTED_REJECTION, "ranks": [0, 1], "skipped_steps": 1
         ("zero1", "bf16-optimizer-reject", SKIPPED_AND_COUNTED),  # BF16_Optimizer (fp32 gradient accumulation)
     ],
 )
-def test_other_deepspeed_layouts_read_the_local_partition(tmp_path_factory, kind, scenario, expected):
-    ranks = results_for(kind, tmp_path_factory)
+def test_other_deepspeed_layouts_read_the_local_partition(worker_results, kind, scenario, expected):
+    ranks = results_for(kind, worker_results)
     for rank, results in enumerate(ranks):
         result = results[scenario]
         assert result["error"] == expected, f"rank {rank}: {result['error']}"
@@ -136,8 +121,8 @@ def test_other_deepspeed_layouts_read_the_local_partition(tmp_path_factory, kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_finite_control_saves_and_resumes_like_model_checkpoint(tmp_path_factory, kind):
-    ranks = results_for(kind, tmp_path_factory)
+def test_finite_control_saves_and_resumes_like_model_checkpoint(worker_results, kind):
+    ranks = results_for(kind, worker_results)
     for rank, results in enumerate(ranks):
         guarded, plain = results["resume-guarded"], results["resume-plain"]
         assert guarded["error"] is None and plain["error"] is None, f"rank {rank}: {guarded['error'] or plain['error']}"
@@ -156,22 +141,22 @@ def test_finite_control_saves_and_resumes_like_model_checkpoint(tmp_path_factory
 
 
 @pytest.mark.parametrize("kind", ["zero2", "zero3"])
-def test_step_skipped_by_deepspeed_is_reported_and_does_not_reject(tmp_path_factory, kind):
+def test_step_skipped_by_deepspeed_is_reported_and_does_not_reject(worker_results, kind):
     # ZeRO-2 with bf16 `check_grad_overflow` on; ZeRO-3 always: DeepSpeed skips the NaN step, nothing is applied
-    for rank, results in enumerate(results_for(kind, tmp_path_factory)):
+    for rank, results in enumerate(results_for(kind, worker_results)):
         result = results["overflow-skipped"]
         assert result["error"] is None, f"rank {rank}: {result['error']}"
         assert result["global_step"] == 8 and result["weights_finite"]
         verdict = result["verdicts"]["6"]
         assert verdict["accepted"] and verdict["skipped_steps"] == 1, verdict
         assert verdict["skipped_per_rank"] == [1, 1]
-    tree = results_for(kind, tmp_path_factory)[0]["overflow-skipped"]["tree"]
+    tree = results_for(kind, worker_results)[0]["overflow-skipped"]["tree"]
     assert {n for n in tree if "/" not in n} == {"step=6.ckpt", "step=8.ckpt", "last.ckpt"}
 
 
 @pytest.mark.deepspeed
-def test_count_skipped_steps_rejects_a_step_deepspeed_skipped(tmp_path_factory):
-    ranks = results_for("zero2", tmp_path_factory)
+def test_count_skipped_steps_rejects_a_step_deepspeed_skipped(worker_results):
+    ranks = results_for("zero2", worker_results)
     errors = [results["overflow-counted"]["error"] for results in ranks]
     assert errors[0] == errors[1], "every rank raises the same error"
     assert errors[0] == SKIPPED_AND_COUNTED
@@ -184,16 +169,16 @@ def test_count_skipped_steps_rejects_a_step_deepspeed_skipped(tmp_path_factory):
 
 
 @pytest.mark.deepspeed
-def test_recording_under_zero2_issues_no_collective_between_boundaries(tmp_path_factory):
+def test_recording_under_zero2_issues_no_collective_between_boundaries(worker_results):
     # 4 optimizer steps of 2 micro-batches each; c10d ops and host reads counted per batch, boundaries left out
-    for rank, results in enumerate(results_for("zero2", tmp_path_factory)):
+    for rank, results in enumerate(results_for("zero2", worker_results)):
         guarded = results["collectives-guarded"]["ops_per_batch"]
         plain = results["collectives-plain"]["ops_per_batch"]
         assert len(guarded) == len(plain) == 8
         assert any(ops for ops in plain), "the counter sees DeepSpeed's own gradient reductions"
         assert guarded == plain, f"rank {rank}: the guard added collectives or host reads between boundaries"
         assert results["collectives-guarded"]["error"] is None
-    rank0 = results_for("zero2", tmp_path_factory)[0]
+    rank0 = results_for("zero2", worker_results)[0]
     assert sorted(rank0["collectives-guarded"]["tree"]) == sorted(rank0["collectives-plain"]["tree"])
 
 

@@ -1,22 +1,21 @@
 """No rank waits on a collective that another rank skips, and every collective takes the strategy's timeout.
 
-Two real processes (gloo, CPU), ``workers/early_exit.py``, one process group with a 20 s timeout.
+Two real processes (gloo, CPU), ``workers/early_exit_worker.py``, one process group with a 20 s timeout.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import read_rank_results, run_ranks
+from conftest import OUT, WorkerResults
 
 # the module fixture launches with a 300 s wall-clock kill: let that, not pytest-timeout, stop a hang
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(330)]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("early_exit")
-    return read_rank_results(out, run_ranks("workers/early_exit.py", [str(out)], timeout=300))
+def ranks(worker_results: WorkerResults):
+    return worker_results("workers/early_exit_worker.py", [OUT], timeout=300).ranks
 
 
 def test_a_monitor_key_missing_on_one_rank_after_validation_raises_on_every_rank(ranks):

@@ -1,4 +1,6 @@
-"""Two-rank CPU/gloo scenarios, run by ``tests/test_ddp.py`` as ``python ddp_scenarios.py OUT_DIR``.
+"""Two-rank CPU/gloo scenarios, run by ``tests/lightning/test_ddp.py`` as ``python ddp_worker.py OUT_DIR``; also
+used by ``tests/agree/test_four_ranks.py``, which runs some of them on 4 ranks
+(``python ddp_worker.py OUT_DIR SCENARIO ...`` with ``CKGUARD_TEST_DEVICES=4``).
 
 Lightning's subprocess script launcher starts rank 1 by re-running this script. Every rank runs every scenario
 in order, in one process group, and writes what it observed to ``OUT_DIR/rank{N}.json``. A scenario that hangs
@@ -42,7 +44,7 @@ EMAWeightAveraging = getattr(lightning_module("callbacks"), "EMAWeightAveraging"
 FiniteGradCheckpoint = ckguard_module().FiniteGradCheckpoint
 
 warnings.filterwarnings("ignore")
-DEVICES = int(os.environ.get("CKGUARD_TEST_DEVICES", "2"))  # tests/test_four_ranks.py runs a subset on 4
+DEVICES = int(os.environ.get("CKGUARD_TEST_DEVICES", "2"))  # tests/agree/test_four_ranks.py runs a subset on 4
 torch.set_num_threads(1)
 TIMEOUT = timedelta(seconds=60)
 

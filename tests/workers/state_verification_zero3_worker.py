@@ -1,6 +1,6 @@
-"""A ZeRO-3 resume scenario, repeated in one process group, run by ``tests/test_state_verification.py``:
+"""A ZeRO-3 resume scenario, repeated in one process group, run by ``tests/lightning/test_state_verification.py``:
 
-    python zero3_stress.py OUT_DIR MODE:ITERATIONS [MODE:ITERATIONS ...]
+    python state_verification_zero3_worker.py OUT_DIR MODE:ITERATIONS [MODE:ITERATIONS ...]
 
 DeepSpeed ZeRO-3 on 2 CPU processes, bf16 with ``check_grad_overflow: false``, the default
 ``count_skipped_steps=False``: 3 clean epochs (4 steps each, ``save_top_k=2`` on a score that improves every epoch,

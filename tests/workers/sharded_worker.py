@@ -1,6 +1,6 @@
-"""Two-rank CPU/gloo scenarios for sharded gradients, run by ``tests/test_sharded.py``:
+"""Two-rank CPU/gloo scenarios for sharded gradients, run by ``tests/lightning/test_sharded.py``:
 
-    python sharded_scenarios.py KIND OUT_DIR [SCENARIO ...]
+    python sharded_worker.py KIND OUT_DIR [SCENARIO ...]
 
 ``KIND`` is ``zero1``, ``zero2``, ``zero3`` (Lightning's ``DeepSpeedStrategy`` on CPU through
 ``tests/deepspeed_shim.py``) or ``fsdp2`` (``ModelParallelStrategy`` with ``fully_shard``). Lightning's subprocess

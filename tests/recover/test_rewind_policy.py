@@ -1,6 +1,6 @@
 """``on_non_finite="rewind"`` in one process: its arguments, its error, and a rewind a user can observe (weights,
 optimizer, scheduler and the loss scaler as in the file, the loop counters going on, the rewind log), and the
-Trainer-free ``restore_fabric_state``. The 2-process strategies are in ``tests/test_rewind.py``."""
+Trainer-free ``restore_fabric_state``. The 2-process strategies are in ``tests/recover/test_rewind.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Two-rank CPU/gloo scenarios for ``on_non_finite="rewind"``, run by ``tests/test_rewind.py``:
+"""Two-rank CPU/gloo scenarios for ``on_non_finite="rewind"``, run by ``tests/recover/test_rewind.py``:
 
-    python rewind_scenarios.py KIND OUT_DIR [SCENARIO ...]
+    python rewind_worker.py KIND OUT_DIR [SCENARIO ...]
 
 ``KIND`` is ``ddp``, ``zero1`` (DDP + ``ZeroRedundancyOptimizer``), ``ds1``, ``ds2``, ``ds3`` (DeepSpeed through
 ``tests/deepspeed_shim.py``) or ``fsdp2``. A NaN reaches rank 1 only, at chosen steps: after DDP's all-reduce

@@ -1,7 +1,7 @@
 """The state about to be written is checked on every rank, in the boundary's one agreement (2 real processes).
 
 Every scenario trains with finite gradients and poisons one tensor of rank 1's state right before a boundary that
-would write ``step=4.ckpt`` and move ``last`` (see ``tests/workers/state_scenarios.py``).
+would write ``step=4.ckpt`` and move ``last`` (see ``tests/workers/state_verification_worker.py``).
 Each must be rejected on every rank with the same error naming rank 1 and the tensor, with the directory and the
 callback's state exactly as they were. Before the state check, each of these published the poisoned state.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import deepspeed_missing, read_rank_results, run_ranks
+from conftest import OUT, WorkerResults, deepspeed_missing
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,29 +28,23 @@ POISONED = {
 DEEPSPEED_PARAMETERS = ["zero2-master"]  # marked `deepspeed` (conftest)
 
 
-_results: list[dict[str, Any]] = []
-
-
-def _run(kind: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def _run(kind: str, worker_results: WorkerResults) -> list[dict[str, Any]]:
     """Every kind's result, as each rank saw it: one launch for all of them, once per session."""
     if kind in DEEPSPEED_PARAMETERS and (reason := deepspeed_missing()):
         pytest.skip(reason)
-    if not _results:
-        out = tmp_path_factory.mktemp("state")
-        proc = run_ranks("workers/state_scenarios.py", [str(out), *POISONED], timeout=280)
-        _results.extend(read_rank_results(str(out), proc))
-    return [results[kind] for results in _results]
+    ranks = worker_results("workers/state_verification_worker.py", [OUT, *POISONED], timeout=280).ranks
+    return [results[kind] for results in ranks]
 
 
 @pytest.mark.parametrize("kind", list(POISONED))
-def test_non_finite_state_on_rank_1_is_rejected_on_every_rank_with_the_tensor_named(tmp_path_factory, kind):
+def test_non_finite_state_on_rank_1_is_rejected_on_every_rank_with_the_tensor_named(worker_results, kind):
     if kind == "ema-copy":
         pytest.importorskip("lightning.pytorch.callbacks", reason="EMAWeightAveraging")
         from lightning.pytorch import callbacks
 
         if not hasattr(callbacks, "EMAWeightAveraging"):
             pytest.skip("this Lightning has no EMAWeightAveraging (2.6+)")
-    ranks = _run(kind, tmp_path_factory)
+    ranks = _run(kind, worker_results)
     errors = [result["error"] for result in ranks]
     assert errors[0] == errors[1], "every rank raises the same error"
     error = errors[0]
@@ -67,26 +61,23 @@ def test_non_finite_state_on_rank_1_is_rejected_on_every_rank_with_the_tensor_na
     assert os.path.basename(rank0["state"]["last_model_path"]) == "last.ckpt"
 
 
-_stress_results: list[dict[str, Any]] = []
 # issue 19's scenario, repeated; CKGUARD_ZERO3_STRESS_ITERATIONS=100 for a longer hunt
 STRESS_ITERATIONS = int(os.environ.get("CKGUARD_ZERO3_STRESS_ITERATIONS", "3"))
 
 
-def _stress(tmp_path_factory: pytest.TempPathFactory, mode: str) -> list[list[dict[str, Any]]]:
+def _stress(worker_results: WorkerResults, mode: str) -> list[list[dict[str, Any]]]:
     """Each rank's iterations of ``mode``: one launch runs both modes, once per session."""
     if reason := deepspeed_missing():
         pytest.skip(reason)
-    if not _stress_results:
-        out = tmp_path_factory.mktemp("zero3")
-        proc = run_ranks("workers/zero3_stress.py", [str(out), f"gradient:{STRESS_ITERATIONS}", "master:1"],
-                         timeout=60 + 40 * (STRESS_ITERATIONS + 1))
-        _stress_results.extend(read_rank_results(str(out), proc))
-    return [results[mode] for results in _stress_results]
+    ranks = worker_results("workers/state_verification_zero3_worker.py",
+                           [OUT, f"gradient:{STRESS_ITERATIONS}", "master:1"],
+                           timeout=60 + 40 * (STRESS_ITERATIONS + 1)).ranks
+    return [results[mode] for results in ranks]
 
 
 @pytest.mark.deepspeed
-def test_zero3_resume_with_a_nan_gradient_never_publishes_a_non_finite_tensor(tmp_path_factory):
-    ranks = _stress(tmp_path_factory, "gradient")
+def test_zero3_resume_with_a_nan_gradient_never_publishes_a_non_finite_tensor(worker_results):
+    ranks = _stress(worker_results, "gradient")
     for rank, runs in enumerate(ranks):
         assert len(runs) == STRESS_ITERATIONS
         for run in runs:
@@ -100,10 +91,10 @@ def test_zero3_resume_with_a_nan_gradient_never_publishes_a_non_finite_tensor(tm
 
 
 @pytest.mark.deepspeed
-def test_zero3_nan_in_rank_1s_master_partition_is_rejected_although_every_later_step_is_skipped(tmp_path_factory):
+def test_zero3_nan_in_rank_1s_master_partition_is_rejected_although_every_later_step_is_skipped(worker_results):
     # the form the one miss took: the fp32 master weights non-finite, every later step skipped, so the gradient
     # history alone (count_skipped_steps=False) accepted and published the poisoned partition
-    ranks = _stress(tmp_path_factory, "master")
+    ranks = _stress(worker_results, "master")
     errors = [runs[0]["errors"][1] for runs in ranks]
     assert errors[0] == errors[1] and errors[0] is not None, errors
     assert [1, "optimizer: fp32 master partition of group 0"] in errors[0]["non_finite_state"], errors[0]

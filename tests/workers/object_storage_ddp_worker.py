@@ -1,6 +1,7 @@
-"""Two-rank CPU/gloo scenarios against a real S3-compatible server, run by ``tests/test_object_storage_ddp.py`` as
-``python object_storage_scenarios.py OUT_DIR BUCKET``; the server's address and fake credentials come from the
-environment (``FSSPEC_S3_ENDPOINT_URL``, ``AWS_*``), its process id from ``CKGUARD_TEST_S3_PID``.
+"""Two-rank CPU/gloo scenarios against a real S3-compatible server, run by
+``tests/publish/test_object_storage_ddp.py`` as ``python object_storage_ddp_worker.py OUT_DIR BUCKET``; the server's
+address and fake credentials come from the environment (``FSSPEC_S3_ENDPOINT_URL``, ``AWS_*``), its process id from
+``CKGUARD_TEST_S3_PID``.
 
 Every rank runs every scenario in order, in one process group, and writes what it observed to ``OUT_DIR/rank{N}.json``.
 Only rank 0 touches the bucket under DDP (it writes, evicts, and looks for existing names), so only rank 0 lists it.

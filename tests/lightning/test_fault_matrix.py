@@ -1,11 +1,11 @@
 """The fault matrix: strategy x faulty rank x boundary, on two real CPU processes (gloo).
 
-Every cell trains 4 optimizer steps with a NaN planted at step 3 on the faulty ranks (or nowhere), so the first
-boundary that would write after it is at global step 4 (see ``tests/workers/fault_matrix.py``). The expected outcome,
-on every rank: no fault, no error and the checkpoints written; a fault, the same ``NonFiniteGradientError`` fields on
-every rank, the checkpoint directory byte-identical to the snapshot taken right before the faulty step, and the
-callback's state unchanged. Each strategy runs its 16 cells in one process group (one worker launch) with a 60 s
-collective timeout, and a wall-clock timeout on top, so a hang fails instead of stalling CI.
+Every cell trains 4 optimizer steps with a NaN planted at step 3 on the faulty ranks (or nowhere), so the first boundary
+that would write after it is at global step 4 (see ``tests/workers/fault_matrix_worker.py``). The expected outcome, on
+every rank: no fault, no error and the checkpoints written; a fault, the same ``NonFiniteGradientError`` fields on every
+rank, the checkpoint directory byte-identical to the snapshot taken right before the faulty step, and the callback's
+state unchanged. Each strategy runs its 16 cells in one process group (one worker launch) with a 60 s collective
+timeout, and a wall-clock timeout on top, so a hang fails instead of stalling CI.
 
 When the cells are done, the whole matrix as they found it is printed (run with ``-s`` to see it) and written to
 ``matrix.md`` in a temporary directory; no test repeats the cells' checks. DeepSpeed cells skip when DeepSpeed is not
@@ -14,13 +14,12 @@ importable.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 from sharded_helpers import APPLIED_NAN_STATE, FAULT_PARAMETERS
 
-from conftest import LAST_AT_EVERY_BOUNDARY, deepspeed_missing, run_ranks
+from conftest import LAST_AT_EVERY_BOUNDARY, OUT, WorkerResults, deepspeed_missing
 
 pytestmark = pytest.mark.multiprocess
 
@@ -56,9 +55,6 @@ DECIDED_AT = {
     "final": "train epoch end" if LAST_AT_EVERY_BOUNDARY else "train end",
 }
 
-_cache: dict[str, list[dict[str, Any]] | str] = {}  # results, or why they are unavailable (a skip)
-_failed: dict[str, str] = {}
-
 
 def expected_error(strategy: str, faulty: str) -> dict[str, Any]:
     if strategy in ("ddp", "zero1"):
@@ -86,38 +82,12 @@ def expected_error(strategy: str, faulty: str) -> dict[str, Any]:
     }
 
 
-def _run(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]] | str:
-    """Both ranks' results for the 16 cells of ``strategy``, or why they are unavailable."""
+def results_for(strategy: str, worker_results: WorkerResults) -> list[dict[str, Any]]:
+    """Both ranks' results for the 16 cells of ``strategy``; skips where they are unavailable. One launch per
+    session: a worker that failed (or hung) fails its other cells at once instead of rerunning (``worker_results``)."""
     if strategy in DEEPSPEED_PARAMETERS and (reason := deepspeed_missing()):
-        return reason
-    out = tmp_path_factory.mktemp(f"matrix-{strategy}")
-    proc = run_ranks("workers/fault_matrix.py", [strategy, str(out)], timeout=WORKER_TIMEOUT)
-    (out / "output.txt").write_text(proc.stdout)  # both ranks' output, for a cell that failed unexpectedly
-    rank0 = out / "rank0.json"
-    assert rank0.exists(), f"rank 0 wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-    unavailable = json.loads(rank0.read_text()).get("unavailable")
-    if unavailable:
-        return unavailable
-    results = []
-    for rank in (0, 1):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-        results.append(json.loads(path.read_text()))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return results
-
-
-def results_for(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]] | str:
-    """Run once per session; a worker that failed (or hung) fails its other cells at once instead of rerunning."""
-    if strategy not in _failed and strategy not in _cache:
-        try:
-            _cache[strategy] = _run(strategy, tmp_path_factory)
-        except (AssertionError, pytest.fail.Exception) as error:
-            _failed[strategy] = str(error)
-            raise
-    if strategy in _failed:
-        pytest.fail(f"the {strategy} worker failed: {_failed[strategy][:4000]}")
-    return _cache[strategy]
+        pytest.skip(reason)
+    return worker_results("workers/fault_matrix_worker.py", [strategy, OUT], timeout=WORKER_TIMEOUT).ranks
 
 
 def _top(tree: dict[str, Any]) -> set[str]:
@@ -184,11 +154,12 @@ def matrix_table(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.parametrize("boundary", BOUNDARIES)
 @pytest.mark.parametrize("faulty", FAULTY)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_cell(tmp_path_factory, strategy, faulty, boundary):
+def test_cell(worker_results, strategy, faulty, boundary):
     cell = (strategy, faulty, boundary)
     _table[cell] = "**FAIL**"
-    ranks = results_for(strategy, tmp_path_factory)
-    if isinstance(ranks, str):
-        _table[cell] = f"skipped ({ranks})"
-        pytest.skip(ranks)
+    try:
+        ranks = results_for(strategy, worker_results)
+    except pytest.skip.Exception as skipped:
+        _table[cell] = f"skipped ({skipped.msg})"
+        raise
     _table[cell] = check_cell(strategy, faulty, boundary, ranks)

@@ -1,6 +1,7 @@
-"""Counts every ``torch.distributed`` collective of real 2-process fits, run by ``tests/test_collective_counts.py`` as
+"""Counts every ``torch.distributed`` collective of real 2-process fits, run by
+``tests/agree/test_collective_counts.py`` as
 
-    python collective_counts.py OUT_DIR
+    python collective_counts_worker.py OUT_DIR
 
 The functions of ``torch.distributed`` that Lightning and this package call are wrapped before Lightning is imported,
 so every call through them is counted, by name (DDP's gradient all-reduce runs in its C++ reducer and is not: it is

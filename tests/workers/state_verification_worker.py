@@ -1,6 +1,6 @@
-"""Two-rank CPU/gloo scenarios for the state check, run by ``tests/test_state_verification.py``:
+"""Two-rank CPU/gloo scenarios for the state check, run by ``tests/lightning/test_state_verification.py``:
 
-    python state_scenarios.py OUT_DIR KIND [KIND ...]
+    python state_verification_worker.py OUT_DIR KIND [KIND ...]
 
 Every rank runs each ``KIND`` in order, in one process group (a Trainer per kind, each with its own strategy), and
 writes what it observed to ``OUT_DIR/rank{N}.json`` after each one. ``KIND`` says where rank 1's state is poisoned,

@@ -6,18 +6,17 @@ background write with ``AsyncCheckpointIO`` (single files).
 
 After every crash, every published name is a complete checkpoint that loads, a surviving rank failed instead of
 hanging, and ``ckpt_path="last"`` resumes from the newest complete ``last``; after the resume no ledger entry
-points at a missing file and nothing the crash left is still there. The worker is ``workers/crash_scenarios.py``.
+points at a missing file and nothing the crash left is still there. The worker is ``workers/crash_worker.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from conftest import deepspeed_missing, run_ranks
-from helpers import cross_device_tmpdir, loads_completely
+from conftest import OUT, Launch, WorkerResults, deepspeed_missing
+from helpers import cross_device_tmpdir, cross_device_tmpdir_or_skip, loads_completely
 
 pytestmark = pytest.mark.multiprocess
 DEEPSPEED_PARAMETERS = {"deepspeed"}  # their items are marked `deepspeed` (conftest)
@@ -43,35 +42,35 @@ def _published(dirpath: str) -> list[str]:
     return sorted(name for name in os.listdir(dirpath) if not name.startswith("."))
 
 
-def _crash(cell, strategy: str, phase: str, plain: bool = False):
+def _crash(worker_results: WorkerResults, strategy: str, phase: str, plain: bool = False) -> Launch:
+    """One crash cell: what the ranks that were not killed wrote (``None`` for a killed rank); its ``out`` is the cell,
+    the checkpoints are in ``out/ckpts``. Single files need ``$TMPDIR`` on another filesystem for the "during" points
+    (the test skips where there is none); otherwise it is set only where there is one."""
     env = {}
     if strategy == "ddp":
-        tmpdir = cross_device_tmpdir(str(cell))
-        if tmpdir is None and "during" in phase:
-            pytest.skip("needs a TMPDIR on another filesystem than the checkpoints (e.g. a tmpfs /dev/shm)")
-        env = {"TMPDIR": tmpdir} if tmpdir else {}
-    args = [str(cell), strategy, phase] + (["--plain"] if plain else [])
-    return run_ranks("workers/crash_scenarios.py", args, timeout=240, env=env)
+        env = {"TMPDIR": cross_device_tmpdir_or_skip if "during" in phase else cross_device_tmpdir}
+    args = [OUT, strategy, phase] + (["--plain"] if plain else [])
+    return worker_results("workers/crash_worker.py", args, timeout=240, env=env, check=False)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed", "fsdp2"])
 @pytest.mark.timeout(1920)  # six 240 s launches and a 420 s resume, each with its own wall-clock kill
-def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tmp_path, strategy):
+def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(worker_results, strategy):
     if strategy == "deepspeed" and (reason := deepspeed_missing()):
         pytest.skip(reason)
-    cells = {phase: tmp_path / phase for phase in PHASES[strategy]}
+    cells = {}
     leftovers: dict[str, list[str]] = {}
-    for phase, cell in cells.items():
-        cell.mkdir()
-        crashed = _crash(cell, strategy, phase)
+    for phase in PHASES[strategy]:
+        crashed = _crash(worker_results, strategy, phase)
+        cells[phase] = cell = crashed.out
         survivors = SURVIVORS[phase]
         for rank in (0, 1):
-            result = cell / f"rank{rank}.json"
+            result = crashed.ranks[rank]
             if rank in survivors:  # it failed in a collective with the dead rank, instead of hanging
-                assert result.exists(), f"{phase}: rank {rank} neither finished nor died:\n{crashed.stdout[-3000:]}"
-                assert json.loads(result.read_text())["error"], f"{phase}: rank {rank} did not see the crash"
+                assert result is not None, f"{phase}: rank {rank} neither finished nor died:\n{crashed.stdout[-3000:]}"
+                assert result["error"], f"{phase}: rank {rank} did not see the crash"
             else:
-                assert not result.exists(), f"{phase}: rank {rank} was not killed:\n{crashed.stdout[-3000:]}"
+                assert result is None, f"{phase}: rank {rank} was not killed:\n{crashed.stdout[-3000:]}"
         dirpath = str(cell / "ckpts")
         published = _published(dirpath)
         step_4_published = phase in ("rank0-between-renames", "rank0-after-exchange")
@@ -89,11 +88,9 @@ def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tm
         incomplete = [name for name in published if not loads_completely(strategy, os.path.join(dirpath, name))]
         assert not incomplete, f"{phase}: published but incomplete: {incomplete}"
 
-    resumed = run_ranks(
-        "workers/crash_scenarios.py", [str(tmp_path), strategy, "resume", *map(str, cells.values())], timeout=420
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = worker_results(
+        "workers/crash_worker.py", [OUT, strategy, "resume", *map(str, cells.values())], timeout=420
+    ).ranks
     for phase, cell in cells.items():
         dirpath = str(cell / "ckpts")
         runs = [rank[str(cell)] for rank in ranks]
@@ -115,20 +112,20 @@ def test_kill_9_during_a_save_publishes_nothing_partial_and_resumes_from_last(tm
         assert bool(said) == bool(leftovers[phase]), f"{phase}: left {leftovers[phase]}, said {said}"
 
 
-def test_plain_model_checkpoint_publishes_a_truncated_file_when_tmpdir_is_another_filesystem(tmp_path):
+def test_plain_model_checkpoint_publishes_a_truncated_file_when_tmpdir_is_another_filesystem(worker_results):
     """The control for single files: Lightning's fsspec transaction writes its temporary file in ``$TMPDIR`` and, on
     another filesystem, copies it into place under the final name; a crash during that copy publishes a truncated
     checkpoint. ``FiniteGradCheckpoint`` stages in the checkpoint's own directory instead (test above)."""
-    crashed = _crash(tmp_path, "ddp", "rank0-during", plain=True)
-    assert not (tmp_path / "rank0.json").exists(), crashed.stdout[-3000:]
-    dirpath = str(tmp_path / "ckpts")
+    crashed = _crash(worker_results, "ddp", "rank0-during", plain=True)
+    assert crashed.ranks[0] is None, crashed.stdout[-3000:]
+    dirpath = str(crashed.out / "ckpts")
     assert "step=4.ckpt" in _published(dirpath), os.listdir(dirpath)
     assert 0 < os.path.getsize(os.path.join(dirpath, "step=4.ckpt"))  # half of it
     assert not loads_completely("ddp", os.path.join(dirpath, "step=4.ckpt"))
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed", "fsdp2"])
-def test_a_write_failing_on_rank_1_of_a_sharded_save_raises_on_every_rank_and_rolls_back(tmp_path, strategy):
+def test_a_write_failing_on_rank_1_of_a_sharded_save_raises_on_every_rank_and_rolls_back(worker_results, strategy):
     """Disk full on a non-zero rank while every rank writes its part of a directory checkpoint.
 
     FSDP2's distributed checkpoint agrees on write failures itself. DeepSpeed's save runs collectives after the files
@@ -137,8 +134,9 @@ def test_a_write_failing_on_rank_1_of_a_sharded_save_raises_on_every_rank_and_ro
     strategy's 30 s timeout."""
     if strategy == "deepspeed" and (reason := deepspeed_missing()):
         pytest.skip(reason)
-    run = _crash(tmp_path, strategy, "rank1-disk-full")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    run = _crash(worker_results, strategy, "rank1-disk-full")
+    ranks = run.ranks
+    assert all(rank is not None for rank in ranks), f"a rank wrote no results:\n{run.stdout[-3000:]}"
     assert "No space left on device" in ranks[1]["error"], ranks[1]["error"]  # its own error
     assert "No space left on device" in ranks[0]["error"], f"rank 0 did not learn of it:\n{run.stdout[-3000:]}"
     if strategy == "deepspeed":
@@ -146,7 +144,7 @@ def test_a_write_failing_on_rank_1_of_a_sharded_save_raises_on_every_rank_and_ro
         assert "step=4.ckpt failed on rank 1" in ranks[0]["error"], ranks[0]["error"]  # the name it would have had
     assert all(rank["fit_seconds"] < 25 for rank in ranks), "a rank waited for the 30 s collective timeout"
     assert [r["global_step"] for r in ranks] == [4, 4]
-    dirpath = str(tmp_path / "ckpts")
+    dirpath = str(run.out / "ckpts")
     step_2 = os.path.join(dirpath, "step=2.ckpt")
     for rank in ranks:  # the ledger rolled back to what global step 2 published
         assert list(rank["state"]["best_k_models"]) == [step_2], rank["state"]

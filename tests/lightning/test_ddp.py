@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from lightning_namespace import IDS, NAMESPACES, lightning_env
 
-from conftest import LIGHTNING_2_5, read_rank_results, run_ranks
+from conftest import LIGHTNING_2_5, OUT, WorkerResults
 from helpers import relative_paths
 
 OPTIMIZERS = ["ddp", "zero1"]
@@ -40,11 +40,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 
 
 @pytest.fixture(scope="module", params=NAMESPACES, ids=[IDS[name] for name in NAMESPACES])
-def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(request: pytest.FixtureRequest, worker_results: WorkerResults) -> list[dict[str, Any]]:
     """Every scenario on 2 ranks, built from one Lightning namespace (one launch per namespace)."""
-    out = tmp_path_factory.mktemp(f"ddp-{IDS[request.param]}")
-    proc = run_ranks("workers/ddp_scenarios.py", [str(out)], timeout=600, env=lightning_env(request.param))
-    results = read_rank_results(out, proc)
+    results = worker_results("workers/ddp_worker.py", [OUT], timeout=600, env=lightning_env(request.param)).ranks
     for rank, rank_results in enumerate(results):  # the worker really built from the namespace the test asked for
         trainers = {r["trainer"] for r in rank_results.values() if "trainer" in r}
         assert trainers == {f"{request.param}.trainer.trainer"}, f"rank {rank} ran under {trainers}"

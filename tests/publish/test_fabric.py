@@ -15,15 +15,11 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from conftest import TESTS, read_rank_results, run_ranks
+from conftest import OUT, TESTS, Launch, WorkerResults, run_ranks
 from lightning_ckguard import GradientGuard, NonFiniteGradientError
 
 EXAMPLE = os.path.join(os.path.dirname(TESTS), "examples", "fabric_guard.py")
 TIMEOUT = 240  # wall clock for a whole 2-process run; collectives time out after 60 s inside it
-
-
-def read_ranks(out: Any, prefix: str, proc: Any) -> list[dict[str, Any]]:
-    return read_rank_results(out, proc, prefix=f"{prefix}-")
 
 
 def finite_file(path: Any, key: str | None = None) -> bool:
@@ -33,16 +29,15 @@ def finite_file(path: Any, key: str | None = None) -> bool:
 
 
 @pytest.fixture(scope="module")
-def fabric_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, list[dict[str, Any]], str]:
-    out = tmp_path_factory.mktemp("fabric")
+def fabric_run(worker_results: WorkerResults) -> Launch:
     # 12 steps, NaN on rank 1 at step 7, saves every 4 steps: 4 accepted, 8 rejected, 12 accepted
-    proc = run_ranks("workers/fabric_worker.py", ["fabric", str(out), "12", "7", "4"], timeout=TIMEOUT)
-    return out, read_ranks(out, "fabric", proc), proc.stdout
+    return worker_results("workers/fabric_worker.py", ["fabric", OUT, "12", "7", "4"], timeout=TIMEOUT,
+                          prefix="fabric-")
 
 
 @pytest.mark.multiprocess
 def test_fabric_every_rank_rejects_with_the_same_verdict(fabric_run):
-    _, ranks, _ = fabric_run
+    ranks = fabric_run.ranks
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert ranks[0]["events"] == ranks[1]["events"], "the ranks reached different verdicts"
     events = ranks[0]["events"]
@@ -67,7 +62,7 @@ def test_fabric_every_rank_rejects_with_the_same_verdict(fabric_run):
 
 @pytest.mark.multiprocess
 def test_fabric_rejected_save_writes_nothing_and_finite_saves_are_on_disk(fabric_run):
-    out, _, _ = fabric_run
+    out = fabric_run.out
     checkpoints = out / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == ["step=12.ckpt", "step=4.ckpt"]  # no step=8.ckpt
     for name in ("step=4.ckpt", "step=12.ckpt"):
@@ -77,7 +72,7 @@ def test_fabric_rejected_save_writes_nothing_and_finite_saves_are_on_disk(fabric
 
 @pytest.mark.multiprocess
 def test_fabric_example_prints_once_from_rank_zero(fabric_run):
-    _, _, stdout = fabric_run
+    stdout = fabric_run.stdout
     lines = stdout.splitlines()
     assert lines.count("step 4: accepted, wrote step=4.ckpt") == 1
     assert sum("rejected on every rank" in line for line in lines) == 1
@@ -105,9 +100,9 @@ def test_fabric_example_script_with_its_command_line(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_raw_torch_distributed_process_group(tmp_path):
-    proc = run_ranks("workers/fabric_worker.py", ["process-group", str(tmp_path)], timeout=TIMEOUT)
-    ranks = read_ranks(tmp_path, "pg", proc)
+def test_raw_torch_distributed_process_group(worker_results):
+    launch = worker_results("workers/fabric_worker.py", ["process-group", OUT], timeout=TIMEOUT, prefix="pg-")
+    ranks, out = launch.ranks, launch.out
     assert ranks[0]["events"] == ranks[1]["events"], "the ranks reached different verdicts"
     events = ranks[0]["events"]
     assert [(e["global_step"], e["verdict"]["accepted"], e["verdict"]["ranks"]) for e in events] == [
@@ -117,11 +112,11 @@ def test_raw_torch_distributed_process_group(tmp_path):
     ]
     error = events[1]["verdict"]["error"]
     assert (error["first_step"], error["last_step"], error["parameters"]) == (2, 2, ["2.bias"])
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["pg-step=2.pt", "pg-step=4.pt"]  # nothing at step 3
-    assert all(finite_file(tmp_path / "checkpoints" / name) for name in ("pg-step=2.pt", "pg-step=4.pt"))
+    assert sorted(os.listdir(out / "checkpoints")) == ["pg-step=2.pt", "pg-step=4.pt"]  # nothing at step 3
+    assert all(finite_file(out / "checkpoints" / name) for name in ("pg-step=2.pt", "pg-step=4.pt"))
     # CheckpointPublisher over a raw process group: agreed, written by rank 0, renamed into place, nothing hidden left
-    assert sorted(os.listdir(tmp_path / "published")) == ["group.pt", "world.pt"]
-    assert all(finite_file(tmp_path / "published" / name, key="model") for name in ("group.pt", "world.pt"))
+    assert sorted(os.listdir(out / "published")) == ["group.pt", "world.pt"]
+    assert all(finite_file(out / "published" / name, key="model") for name in ("group.pt", "world.pt"))
 
 
 def _step(model: torch.nn.Module, guard: GradientGuard, optimizer: torch.optim.Optimizer, step: int,

@@ -1,6 +1,6 @@
-"""The bounded fault matrix, run by ``tests/test_fault_matrix.py`` as
+"""The bounded fault matrix, run by ``tests/lightning/test_fault_matrix.py`` as
 
-    python fault_matrix.py STRATEGY OUT_DIR [CELL ...]
+    python fault_matrix_worker.py STRATEGY OUT_DIR [CELL ...]
 
 ``STRATEGY`` is ``ddp``, ``zero1`` (DDP + ``ZeroRedundancyOptimizer``), ``ds2`` / ``ds3`` (DeepSpeed ZeRO-2/3 through
 ``tests/deepspeed_shim.py``) or ``fsdp2`` (``ModelParallelStrategy`` with ``fully_shard``). A cell is

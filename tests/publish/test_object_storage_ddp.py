@@ -10,18 +10,16 @@ from typing import Any
 
 import pytest
 
-from conftest import read_rank_results, run_ranks
+from conftest import OUT, WorkerResults
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def ranks(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("object-storage-ddp")
+def ranks(s3: Any, worker_results: WorkerResults) -> list[dict[str, Any]]:
     bucket = s3.new_bucket("ckguard-ddp")
-    proc = run_ranks("workers/object_storage_scenarios.py", [str(out), bucket], timeout=240,
-                     env={"CKGUARD_TEST_S3_PID": str(s3.process.pid)})
-    return read_rank_results(out, proc)
+    return worker_results("workers/object_storage_ddp_worker.py", [OUT, bucket], timeout=240,
+                          env={"CKGUARD_TEST_S3_PID": str(s3.process.pid)}).ranks
 
 
 def test_a_nan_on_rank_1_is_rejected_on_every_rank_the_bucket_is_unchanged_and_last_resumes(ranks):

@@ -1,6 +1,6 @@
-"""``CheckpointPublisher`` under Fabric on two CPU processes (gloo), run by ``tests/test_publisher.py`` as
+"""``CheckpointPublisher`` under Fabric on two CPU processes (gloo), run by ``tests/publish/test_publisher.py`` as
 
-    python publisher_scenarios.py OUT_DIR [SCENARIO ...]
+    python publisher_worker.py OUT_DIR [SCENARIO ...]
 
 Fabric's launcher starts rank 1 by re-running this script. Every scenario gets its own Fabric (one process group per
 strategy, collectives time out after 60 s) and its own checkpoint directory under ``OUT_DIR``; each rank rewrites

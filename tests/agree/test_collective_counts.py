@@ -1,6 +1,6 @@
 """How many ``torch.distributed`` collectives the guard adds to ``ModelCheckpoint``'s, per boundary and per fit.
 
-Two real processes (gloo), ``workers/collective_counts.py``: every call of a ``torch.distributed`` collective is
+Two real processes (gloo), ``workers/collective_counts_worker.py``: every call of a ``torch.distributed`` collective is
 counted, for both classes, inside each boundary hook call and outside them. Both ranks must run exactly the same
 collectives (invariant 11). The numbers are in ``benchmarks/RESULTS.md`` (A11).
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from conftest import read_rank_results, run_ranks
+from conftest import OUT, WorkerResults
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(330)]
 
@@ -32,9 +32,8 @@ END_OF_FIT_HOOK = "on_train_end"
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("collective_counts")
-    return read_rank_results(out, run_ranks("workers/collective_counts.py", [str(out)], timeout=300))
+def ranks(worker_results: WorkerResults) -> list[dict[str, Any]]:
+    return worker_results("workers/collective_counts_worker.py", [OUT], timeout=300).ranks
 
 
 def _total(calls: dict[str, int]) -> int:

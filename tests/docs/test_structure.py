@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = "lightning_ckguard"
-PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
+PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE  # tests/docs/ -> the repository root
 
 #: The layers, bottom up, each module in exactly one. The leaves are shared by all; recording reads device-side
 #: sources; the agreement turns them into one verdict; publication writes, evicts and links (never reading recording
