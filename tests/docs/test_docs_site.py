@@ -4,8 +4,8 @@
   reference, by the public path it is imported from, and that path imports;
 - every relative link of ``README.md`` and of the pages in ``docs/`` points at a file that exists, and a ``#anchor``
   into a Markdown page at one of its headings;
-- every script under ``tests/``, ``examples/`` or ``benchmarks/`` that those pages name exists (anywhere under that
-  folder: a test module moved into a subfolder still counts);
+- every script under ``tests/``, ``examples/`` or ``benchmarks/`` that those pages name exists at exactly that path
+  (a test module moved into another folder must be renamed in the pages too);
 - ``README.md`` stays short, keeps the two commands as its first code block (``.ci/run`` reads the ``-m pytest``
   line), and ``docs/development.md`` repeats that block as it is.
 """
@@ -94,7 +94,7 @@ def test_scripts_the_pages_name_exist(page):
     missing = sorted(
         f"{top}/{folder}{name}"
         for top, folder, name in SCRIPT.findall(page.read_text())
-        if not (ROOT / top / folder / name).exists() and not any((ROOT / top).rglob(name))
+        if not (ROOT / top / folder / name).exists()
     )
     assert not missing, f"{page.relative_to(ROOT)} names scripts that do not exist: {missing}"
 
