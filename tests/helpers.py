@@ -314,6 +314,22 @@ class FailingIO(TorchCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
+def refuse_moves_to(name: str) -> Callable[[], None]:
+    """From now on, rank 0's rename of a staging entry onto a checkpoint whose file name starts with ``name`` fails (a
+    read-only directory entry, say), after the boundary's last collective. Returns what undoes it."""
+    import lightning_ckguard.publish.writers as writers
+
+    move = writers.move_into_place
+
+    def refusing(staging: str, filepath: str) -> None:
+        if os.path.basename(filepath).startswith(name):
+            raise OSError(30, "Read-only file system (injected)", filepath)
+        move(staging, filepath)
+
+    writers.move_into_place = refusing  # type: ignore[assignment]
+    return lambda: setattr(writers, "move_into_place", move)
+
+
 def loads_completely(strategy: str, path: str) -> bool:
     """Whether ``path`` is a complete checkpoint of ``strategy``'s format (``ddp``: a file; ``deepspeed``, ``fsdp2``:
     a two-rank directory): every file it needs is there and loads."""

@@ -179,3 +179,19 @@ def test_a_write_failing_on_rank_0_raises_on_every_rank_and_rolls_back(ranks):
     rank0 = ranks[0]["ddp-val_topk-write-fails"]
     assert rank0["tree"] == rank0["snapshots"]["3"]["tree"]
     assert "epoch=0-step=2.ckpt" in rank0["tree"]  # the file it would have evicted stays
+
+
+def test_a_move_refused_on_rank_0_raises_on_every_rank_at_the_next_boundary_and_rolls_back(ranks):
+    # rank 0 renames after the boundary's last collective: its failure is held, rides in the next agreement, and
+    # every rank raises there; nothing of the failed boundary is left, nothing was evicted
+    errors = [results["ddp-val_topk-move-fails"]["error"] for results in ranks]
+    assert errors[0]["type"] == "OSError" and "injected" in errors[0]["message"]
+    assert errors[1]["type"] == "CheckpointWriteError"
+    assert "failed on rank 0" in errors[1]["message"] and "epoch=1" in errors[1]["message"]
+    for rank, results in enumerate(ranks):
+        result = results["ddp-val_topk-move-fails"]
+        assert result["state"] == result["snapshots"]["3"]["state"], f"rank {rank}: the ledger did not roll back"
+        assert result["global_step"] == 6, f"rank {rank}: raised at the next boundary (epoch 2), not elsewhere"
+    rank0 = ranks[0]["ddp-val_topk-move-fails"]
+    assert rank0["tree"] == rank0["snapshots"]["3"]["tree"]
+    assert "epoch=0-step=2.ckpt" in rank0["tree"]  # the file it would have evicted stays

@@ -34,6 +34,7 @@ from helpers import (  # noqa: E402
     ModelCheckpoint,
     fit_outcome,
     ledger_state,
+    refuse_moves_to,
     run_scenarios,
     tree_digest,
 )
@@ -77,8 +78,8 @@ CONFIGS = {"periodic": PERIODIC, "top1_last": TOP1_LAST, "val_topk": VAL_TOPK, "
 
 
 def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_steps: tuple[int, ...] = (),
-        on_non_finite: str = "raise", fault_batches: tuple[int, ...] = (), fail_write: str | None = None
-        ) -> dict[str, Any]:
+        on_non_finite: str = "raise", fault_batches: tuple[int, ...] = (), fail_write: str | None = None,
+        refuse_move: str | None = None) -> dict[str, Any]:
     callback_kwargs, trainer_kwargs, model_kwargs = CONFIGS[config]
     seed_everything(7)
     dirpath = os.path.join(root, name)
@@ -98,7 +99,15 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
         strategy=make_strategy("zero1" if zero1 else "ddp", timeout=TIMEOUT), devices=DEVICES, callbacks=callbacks,
         plugins=plugins, **QUIET, **trainer_kwargs
     )
-    result = fit_outcome(lambda: trainer.fit(model), write_errors=True)
+    if refuse_move:  # rank 0's rename into place, after the boundary's last collective
+        model.on_train_epoch_start = lambda: (  # type: ignore[method-assign]
+            undo.append(refuse_moves_to(refuse_move)) if trainer.current_epoch == 1 else None)
+    undo: list[Callable[[], None]] = []
+    try:
+        result = fit_outcome(lambda: trainer.fit(model), write_errors=True)
+    finally:
+        for restore in undo:
+            restore()
     result.update(
         trainer=type(trainer).__module__,  # which Lightning package this scenario ran under
         tree=tree_digest(dirpath),
@@ -155,6 +164,9 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
     # rank 0's disk is full for epoch 1's top-1 file
     table["ddp-val_topk-write-fails"] = lambda root: run(root, "ddp-val_topk-write-fails", "top1_last", False, True,
                                                          fail_write="epoch=1")
+    # rank 0's rename of epoch 1's top-1 file into place fails, after the boundary's last collective
+    table["ddp-val_topk-move-fails"] = lambda root: run(root, "ddp-val_topk-move-fails", "top1_last", False, True,
+                                                        refuse_move="epoch=1")
     table["process-group-guard"] = guard_without_trainer
     return table
 
