@@ -15,26 +15,28 @@ rank and leaves no partial file), and rank 0 then moves it into place with one r
 where the filesystem has one), so the name always holds a complete checkpoint. Only then does the guard start a
 fresh window.
 
-Local filesystems only: object storage is the callback's for now.
+On object storage (``dirpath="s3://bucket/run"``, any fsspec filesystem that is not local) one upload publishes a whole
+object, so a checkpoint is written at its name directly (single files: DDP, or rank 0 of a process group), and a
+strategy that would write through local paths instead (FSDP, DeepSpeed) is refused at construction.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 
-from lightning_ckguard._distributed import barrier
 from lightning_ckguard.agree.agreement import Verdict, all_gather_for
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.seal import agree_on_write
-from lightning_ckguard.publish.staging import discard, recover
-from lightning_ckguard.publish.storage import LocalStorage
-from lightning_ckguard.publish.writers import StagedWriter
+from lightning_ckguard.publish.staging import discard
+from lightning_ckguard.publish.storage import storage_for
+from lightning_ckguard.publish.writers import DirectWriter, StagedWriter
 
 
 class ProcessGroupCollectives:
@@ -79,19 +81,21 @@ class CheckpointPublisher:
             ``save_checkpoint`` writes, sharded strategies included), a ``torch.distributed`` process group (rank 0
             of it writes with ``torch.save``), or ``None``: the default process group when one is initialized, else a
             single process.
-        dirpath: The local directory the checkpoints are published in. It is created if needed; what an interrupted
-            publication left there (a staging entry, a name renamed aside) is recovered, on rank 0.
+        dirpath: The directory the checkpoints are published in: a local path (created if needed; what an
+            interrupted publication left there, a staging entry or a name renamed aside, is recovered on rank 0), or
+            an object-storage URL such as ``"s3://bucket/run"``.
         guard: The :class:`~lightning_ckguard.GradientGuard` of the loop; every ``save`` agrees through it first.
             Without one, nothing is checked and only the publication's guarantees hold.
 
     Raises:
-        ValueError: If ``dirpath`` is not a local path, or ``guard`` is not a ``GradientGuard``.
+        ValueError: If ``dirpath`` is not a path or URL, ``guard`` is not a ``GradientGuard``, or ``dirpath`` is on
+            object storage and ``collective`` a strategy that writes through local paths.
     """
 
     def __init__(self, collective: Any, dirpath: str | os.PathLike[str], *, guard: GradientGuard | None = None
                  ) -> None:
-        if not isinstance(dirpath, (str, os.PathLike)) or "://" in os.fspath(dirpath):
-            raise ValueError(f"`dirpath` must be a local directory path, got {dirpath!r}.")
+        if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
+            raise ValueError(f"`dirpath` must be a directory path or URL, got {dirpath!r}.")
         if guard is not None and not isinstance(guard, GradientGuard):
             raise ValueError(f"`guard` must be a GradientGuard or None, got {type(guard).__name__}.")
         if collective is None and dist.is_available() and dist.is_initialized():
@@ -103,11 +107,14 @@ class CheckpointPublisher:
         self.guard = guard
         #: The verdict of the most recent ``save`` (accepted or not), the same on every rank; None without a guard.
         self.last_verdict: Verdict | None = None
-        self._writer = StagedWriter(self.collective, LocalStorage(LocalFileSystem()))
+        storage = storage_for(get_filesystem(self.dirpath))
+        storage.refuse_strategy(collective, self.dirpath)
+        # the same writers as the callback's: staged and renamed on local disk, direct where one upload is atomic
+        self._writer = StagedWriter(collective, storage) if storage.stages_writes else DirectWriter(collective)
         if self.is_global_zero:
-            os.makedirs(self.dirpath, exist_ok=True)
-            recover(self.dirpath)
-        barrier(self.collective, "CheckpointPublisher.recover")  # no rank writes before the recovery is done
+            storage.fs.makedirs(self.dirpath, exist_ok=True)
+        # rank 0 recovers what a crash left; no rank writes before that (the one collective here)
+        storage.prepare(collective, self.dirpath, lambda: None, lambda message: warnings.warn(message, stacklevel=3))
 
     @property
     def is_global_zero(self) -> bool:
@@ -141,9 +148,9 @@ class CheckpointPublisher:
         return verdict
 
     def _write_and_publish(self, path: str, state: dict[str, Any]) -> None:
-        """Through the callback's staged writer: every rank writes into staging (the outcome agreed), rank 0 moves it
-        into place, and the move's outcome is agreed right away (a Trainer's fit lets it ride in the next agreement;
-        a loop of its own may not agree again)."""
+        """Through the callback's writers: on local disk every rank writes into staging (the outcome agreed), rank 0
+        moves it into place, and the move's outcome is agreed right away (a Trainer's fit lets it ride in the next
+        agreement; a loop of its own may not agree again); on object storage the upload is the publication."""
         writer = self._writer
         writer.open(None)
         try:
@@ -169,7 +176,7 @@ class CheckpointPublisher:
 
             save_checkpoint(path=staging, state=_unwrap_objects(state))
         elif self.is_global_zero:
-            torch.save(_plain_state(state), staging)
+            _atomic_save(_plain_state(state), staging)  # through fsspec: a local path or an object-storage URL
 
 
 __all__ = ["CheckpointPublisher", "ProcessGroupCollectives"]

@@ -70,7 +70,7 @@ class LocalStorage:
         if dirpath is None:
             barrier(strategy, "FiniteGradCheckpoint.recover")
             return
-        if strategy.is_global_zero:
+        if getattr(strategy, "is_global_zero", True):  # a strategy, a process group's collectives, or one process
             for action in recover(dirpath):
                 warn(f"FiniteGradCheckpoint {action}.")
         agree_on_write(strategy, writable_error(), dirpath)

@@ -284,3 +284,27 @@ def test_a_strategy_writing_through_local_paths_is_refused_for_object_storage(s3
         guard.setup(trainer, BoringModel(), "fit")
     plain = ModelCheckpoint(dirpath=url)
     plain.setup(Trainer(strategy=ModelParallelStrategy(), devices=1, callbacks=[plain], **QUIET), BoringModel(), "fit")
+
+
+def test_the_trainer_free_publisher_publishes_to_a_bucket_and_a_rejection_leaves_it_as_it_was(s3):
+    # CheckpointPublisher over object storage: the same DirectWriter as the callback's (one upload publishes a whole
+    # object), the agreement first
+    from lightning_ckguard import CheckpointPublisher, GradientGuard
+
+    url = f"s3://{s3.new_bucket()}/run"
+    model = torch.nn.Linear(2, 1)
+    guard = GradientGuard(model)
+    publisher = CheckpointPublisher(None, url, guard=guard)
+    model(torch.ones(1, 2)).sum().backward()
+    guard.record()
+    publisher.save("step=1.ckpt", {"model": model, "step": 1})
+    with fsspec.open(f"{url}/step=1.ckpt", "rb") as f:
+        loaded = torch.load(io.BytesIO(f.read()), weights_only=True)
+    assert loaded["step"] == 1 and torch.equal(loaded["model"]["weight"], model.weight.detach())
+    before = s3.listing(url)
+    assert set(before) == {"step=1.ckpt"}, "nothing but the checkpoint: no staging object on object storage"
+    model.weight.grad[0, 0] = float("nan")
+    guard.record()
+    with pytest.raises(NonFiniteGradientError):
+        publisher.save("step=2.ckpt", {"model": model, "step": 2})
+    assert s3.listing(url) == before

@@ -120,7 +120,7 @@ def test_one_process_failed_write_leaves_the_published_name_as_it_was(tmp_path):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [(dict(dirpath="s3://bucket/ckpt"), "dirpath"), (dict(dirpath=3), "dirpath"), (dict(guard=object()), "guard")],
+    [(dict(dirpath=""), "dirpath"), (dict(dirpath=3), "dirpath"), (dict(guard=object()), "guard")],
 )
 def test_bad_arguments_are_a_value_error(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -131,3 +131,10 @@ def test_bad_arguments_are_a_value_error(tmp_path, kwargs, match):
 def test_a_name_outside_dirpath_is_a_value_error(tmp_path, name):
     with pytest.raises(ValueError, match="name"):
         CheckpointPublisher(None, tmp_path).save(name, {})
+
+
+def test_object_storage_with_a_strategy_that_writes_local_paths_is_a_value_error():
+    from lightning.fabric.strategies import FSDPStrategy
+
+    with pytest.raises(ValueError, match="writes checkpoints through local paths"):
+        CheckpointPublisher(FSDPStrategy(), "s3://bucket/run")
