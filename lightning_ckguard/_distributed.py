@@ -22,6 +22,12 @@ def is_multiprocess(strategy: Any) -> bool:
     return int(getattr(strategy, "world_size", 1)) > 1
 
 
+def is_rank_zero(collective: Any) -> bool:
+    """Whether this rank is rank 0 of ``collective`` (a strategy, a process group's collectives), the one that writes,
+    moves and evicts; the only one without peers (``None``)."""
+    return bool(getattr(collective, "is_global_zero", True))
+
+
 def gather_ints(strategy: Any, values: Sequence[int]) -> list[list[int]]:
     """Every rank's ``values`` (the same length on every rank), in rank order, from one ``all_gather``.
 
@@ -120,4 +126,5 @@ __all__ = [
     "gather_ints",
     "is_deepspeed_strategy",
     "is_multiprocess",
+    "is_rank_zero",
 ]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 
+from lightning_ckguard._distributed import is_rank_zero
 from lightning_ckguard.agree.agreement import Verdict, all_gather_for
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.seal import agree_on_write
@@ -119,7 +120,7 @@ class CheckpointPublisher:
     @property
     def is_global_zero(self) -> bool:
         """Whether this rank moves checkpoints into place (rank 0)."""
-        return bool(getattr(self.collective, "is_global_zero", True))
+        return is_rank_zero(self.collective)
 
     def save(self, name: str, state: dict[str, Any], *, global_step: int | None = None) -> Verdict | None:
         """Agree, write into staging, agree on the write, move into place; or raise on every rank.

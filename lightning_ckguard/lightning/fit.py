@@ -93,8 +93,7 @@ class GuardedFit:
     def set_up(cls, checkpoint: Any, trainer: Any, stage: str) -> GuardedFit:
         """At ``setup``, on every rank: seal the Trainer's writes, choose the write path once, and prepare the
         directory (recover what an interrupted publication left, check it is writable, in one collective)."""
-        storage = storage_for(checkpoint._fs)
-        dirpath = str(checkpoint.dirpath) if checkpoint.dirpath is not None else None
+        storage, dirpath = storage_for(checkpoint._fs), _dirpath(checkpoint)
         storage.refuse_strategy(trainer.strategy, dirpath)  # before anything is installed or written
         PublicationSeal.install(trainer, checkpoint)
         fit = cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
@@ -165,9 +164,10 @@ class GuardedFit:
                                         checkpoint.save_top_k, checkpoint.mode)
         if own_transaction(checkpoint) is not None and is_multiprocess(self.trainer.strategy):
             # without peers the vote is no collective: the agreement waits for a write, so as not to read state
-            verdict, rows = self._collect(local_vote(current is not None, improves))
-            self._collected = (verdict, [row[2:] for row in rows])
-            self.vote = vote_of([row[:2] for row in rows])
+            vote = local_vote(current is not None, improves)
+            verdict, rows = self._collect(vote)
+            self._collected = (verdict, [row[len(vote):] for row in rows])  # the writer's report follows the vote
+            self.vote = vote_of([row[:len(vote)] for row in rows])
         else:
             self.vote = agree_on_top_k(self.trainer.strategy, present=current is not None, improves=improves)
         missing = self.vote.missing_ranks

@@ -13,7 +13,7 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from lightning_ckguard._distributed import barrier
+from lightning_ckguard._distributed import barrier, is_rank_zero
 from lightning_ckguard.publish.remote import (
     existed_before_write,
     exists_on_every_rank,
@@ -70,7 +70,7 @@ class LocalStorage:
         if dirpath is None:
             barrier(strategy, "FiniteGradCheckpoint.recover")
             return
-        if getattr(strategy, "is_global_zero", True):  # a strategy, a process group's collectives, or one process
+        if is_rank_zero(strategy):
             for action in recover(dirpath):
                 warn(f"FiniteGradCheckpoint {action}.")
         agree_on_write(strategy, writable_error(), dirpath)

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from lightning_ckguard._distributed import barrier, failures_from, gather_ints
+from lightning_ckguard._distributed import barrier, failures_from, gather_ints, is_rank_zero
 from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.publish.background import BackgroundPublisher, PluginWrites, PublicationUnit, WriteFailure
 from lightning_ckguard.publish.ledger import Ledger
@@ -189,7 +189,7 @@ class StagedWriter(_HoldsFailures):
 
     def save(self, filepath: str, write: Write) -> None:
         staging = staging_path(filepath)
-        rank_zero = _is_rank_zero(self._collective)
+        rank_zero = is_rank_zero(self._collective)
         if rank_zero:
             self._storage.release_retired(filepath)  # at most two copies of a name at a time
         try:
@@ -208,7 +208,7 @@ class StagedWriter(_HoldsFailures):
         staging = staging_path(linkpath)
         link(target, staging)  # rank 0 links, then ModelCheckpoint's barrier
         self._written.append(linkpath)
-        if _is_rank_zero(self._collective) and os.path.lexists(staging):
+        if is_rank_zero(self._collective) and os.path.lexists(staging):
             self._in_place(linkpath, staging, lambda: move_into_place(staging, linkpath))
 
 
@@ -243,7 +243,7 @@ class BackgroundWriter:
     def save(self, filepath: str, write: Write) -> None:
         unit, writes = self._unit, self._writes
         assert unit is not None
-        expected = writes.expect(filepath) if _is_rank_zero(self._collective) else None  # rank 0 calls the plugin
+        expected = writes.expect(filepath) if is_rank_zero(self._collective) else None  # rank 0 calls the plugin
         try:
             write(filepath)
         except BaseException:
@@ -256,7 +256,7 @@ class BackgroundWriter:
 
     def link(self, target: str, linkpath: str, link: Link) -> None:
         assert self._unit is not None
-        if _is_rank_zero(self._collective) and os.path.abspath(target) != os.path.abspath(linkpath):
+        if is_rank_zero(self._collective) and os.path.abspath(target) != os.path.abspath(linkpath):
             self._unit.link(target, linkpath)  # once the target is published, in the boundary's unit
         barrier(self._collective, "ModelCheckpoint._link_checkpoint")  # the collective ModelCheckpoint's link ends with
 
@@ -290,11 +290,6 @@ class BackgroundWriter:
     def release(self) -> None:
         self._publisher.close()
         self._writes.uninstall()
-
-
-def _is_rank_zero(collective: Any) -> bool:
-    """Whether this rank moves, links and evicts (rank 0; the only one without peers)."""
-    return bool(getattr(collective, "is_global_zero", True))
 
 
 def _remove_all(paths: Any, remove: Remove) -> None:
