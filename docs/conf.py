@@ -72,14 +72,9 @@ nitpick_ignore_regex = [
     # documents them here.
     (r"py:.*", r"(torch|lightning|pytorch_lightning|lightning_fabric|lightning_utilities|fsspec|deepspeed)(\..*)?"),
     (r"py:.*", r"(collections|datetime|os|pathlib|typing|logging)\..*"),
-    # Internal names the docstrings of public objects refer to; they are not part of the public API, so they have
-    # no reference entry. Matched by their last part, so that moving a module does not break the build. To fix in
-    # the docstrings (then delete the line):
-    (r"py:mod", r"lightning_ckguard\.(.*\.)?(rewind|state_check)"),  # FiniteGradCheckpoint, RankReport
-    (r"py:class", r"lightning_ckguard\.(.*\.)?PublicationSeal"),  # FiniteGradCheckpoint.admit_save
-    (r"py:class", r"lightning_ckguard\.(.*\.)?CheckpointState"),  # GradientGuard.agree
-    (r"py:class", r"lightning_ckguard\.(.*\.)?ParameterIndex"),  # ParameterGradients.__init__'s annotation
-    (r"py:meth", r"NonFiniteWindow\.summary"),  # RankReport.from_summary
+    # An internal class in the annotation of a public signature (``ParameterGradients.__init__``): it is not part of
+    # the public API, so it has no reference entry.
+    (r"py:class", r"lightning_ckguard\.(.*\.)?ParameterIndex"),
 ]
 
 # -- HTML ----------------------------------------------------------------------------------------------------------

@@ -41,8 +41,8 @@ class RankReport:
 
     @classmethod
     def from_summary(cls, rank: int, row: Sequence[int]) -> RankReport:
-        """Read one rank's gathered summary vector: the window's (see :meth:`NonFiniteWindow.summary`), then the state
-        check's part (:mod:`lightning_ckguard.record.state_check`), if any."""
+        """Read one rank's gathered summary vector: the window's (``NonFiniteWindow.summary``), then the state check's
+        part (``lightning_ckguard.record.state_check``), if any."""
         non_finite_state, state_tensors = decode_state_summary(row[w.SUMMARY_SIZE :])
         return cls(
             rank=rank,

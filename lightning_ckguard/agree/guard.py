@@ -104,7 +104,7 @@ class GradientGuard:
         the window: call :meth:`reset` once the checkpoint is published.
 
         ``state`` is what this rank is about to write (what ``fabric.save`` gets: a dict of modules, optimizers and
-        tensors, or a :class:`~lightning_ckguard.record.state_sources.CheckpointState`). Each of its local tensors is
+        tensors, or a ``CheckpointState`` (``lightning_ckguard.record.state_sources``)). Each of its local tensors is
         checked too, before the agreement, and a non-finite one rejects the boundary whatever ``count_skipped_steps``
         says; its name travels in the same collective (``verdict.non_finite_state``). Checking it reads one small
         flag vector to the host.

@@ -62,7 +62,7 @@ class GuardedCheckpoint(_CheckpointBase):
             ``"stop"``: publish nothing, set ``trainer.should_stop``; ``fit()`` returns normally.
             ``"rewind"``: publish nothing; every rank restores, in place, the most recent checkpoint this callback
             published in this fit (weights, optimizer, LR schedulers, loss scaler, weight averaging), starts a fresh
-            window and trains on with the next batch (see :mod:`lightning_ckguard.recover.rewind`). Without such a
+            window and trains on with the next batch (:func:`~lightning_ckguard.restore_trainer_state`). Without such a
             checkpoint, or after ``max_rewinds`` rewinds, it raises :class:`~lightning_ckguard.RewindRefusedError`
             (a ``NonFiniteGradientError``) on every rank, naming every earlier rewind.
         count_skipped_steps: Whether optimizer steps a loss scaler skipped (never applied) reject a boundary. They
@@ -214,7 +214,7 @@ class GuardedCheckpoint(_CheckpointBase):
 
     def admit_save(self, trainer: pl.Trainer, filepath: str) -> bool:
         """Gate for every checkpoint write of the Trainer (see
-        :class:`~lightning_ckguard.publish.seal.PublicationSeal`).
+        ``PublicationSeal``).
 
         Our own accepted boundary passes. Any other write (manual ``trainer.save_checkpoint``, other callbacks)
         passes the same preflight agreement first; inside a running fit a rejection applies ``on_non_finite`` like
