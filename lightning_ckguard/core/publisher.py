@@ -156,8 +156,10 @@ class CheckpointPublisher:
         writer.open(None)
         try:
             writer.save(path, partial(self._write_agreed, state=state, path=path))
-        finally:
-            writer.close(True, (), discard)
+        except BaseException:
+            writer.close(False, (), discard)  # raised on every rank; the writer left nothing under the name
+            raise
+        writer.close(True, (), discard)
         failure = writer.finish(self.collective, during_exception=False)
         if failure is not None:
             raise failure.error

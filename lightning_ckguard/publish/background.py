@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_ckguard._distributed import failures_from
-from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.publish.ledger import Ledger
+from lightning_ckguard.publish.seal import write_error
 from lightning_ckguard.publish.staging import discard, make_link, move_into_place, published_path, staging_path
 
 log = logging.getLogger(__name__)
@@ -319,9 +319,8 @@ class BackgroundPublisher:
         with self._lock:
             self._failure = None
         self._ledgers.clear()
-        error = failure.error if failure is not None else CheckpointWriteError(
-            ranks=list(found.ranks), filepath=found.detail, cause=found.cause
-        )
+        error = write_error(found, failure.error if failure is not None else None, found.detail)
+        assert error is not None  # some rank failed
         return WriteFailure(error, published)
 
     def local_failure(self) -> WriteFailure | None:

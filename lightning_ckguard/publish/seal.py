@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from lightning_ckguard._distributed import agree_on_failure, is_deepspeed_strategy
+from lightning_ckguard._distributed import Failures, agree_on_failure, is_deepspeed_strategy
 from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.publish.staging import published_path
 
@@ -188,8 +188,17 @@ def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> N
     The failing ranks re-raise their own error; the others raise :class:`CheckpointWriteError` naming the first
     failing rank and its error.
     """
-    found = agree_on_failure(strategy, failure)
-    if failure is not None:
-        raise failure
-    if found.ranks:
-        raise CheckpointWriteError(ranks=list(found.ranks), filepath=filepath, cause=found.cause)
+    error = write_error(agree_on_failure(strategy, failure), failure, filepath)
+    if error is not None:
+        raise error
+
+
+def write_error(found: Failures, own: BaseException | None, filepath: str) -> BaseException | None:
+    """What this rank raises once every rank learned which ranks' write of ``filepath`` failed (``found``): its
+    ``own`` error if it failed, else a :class:`CheckpointWriteError` naming the first failing rank and its error, or
+    None when nothing failed."""
+    if own is not None:
+        return own
+    if not found.ranks:
+        return None
+    return CheckpointWriteError(ranks=list(found.ranks), filepath=filepath, cause=found.cause)

@@ -11,8 +11,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 from lightning_ckguard._distributed import barrier, is_rank_zero
 from lightning_ckguard.publish.remote import (
     existed_before_write,
@@ -22,7 +20,13 @@ from lightning_ckguard.publish.remote import (
     unsupported_strategy_error,
 )
 from lightning_ckguard.publish.seal import agree_on_write
-from lightning_ckguard.publish.staging import checkpoint_is_complete, recover, release_all_retired, release_retired
+from lightning_ckguard.publish.staging import (
+    checkpoint_is_complete,
+    is_local,
+    recover,
+    release_all_retired,
+    release_retired,
+)
 
 
 class LocalStorage:
@@ -148,7 +152,7 @@ Storage = LocalStorage | ObjectStorage
 
 def storage_for(fs: Any) -> Storage:
     """The storage of a ``dirpath`` on filesystem ``fs`` (an fsspec filesystem)."""
-    return LocalStorage(fs) if isinstance(fs, LocalFileSystem) else ObjectStorage(fs)
+    return LocalStorage(fs) if is_local(fs) else ObjectStorage(fs)
 
 
 __all__ = ["LocalStorage", "ObjectStorage", "Storage", "storage_for"]

@@ -28,8 +28,6 @@ from lightning_utilities.core import rank_zero as _rank_zero
 
 from lightning_ckguard.publish.ledger import Ledger
 
-log = logging.getLogger(__name__)
-
 #: What a boundary did: wrote nothing (no agreement was needed), published, or was rejected with nothing changed.
 Outcome = Literal["wrote nothing", "published", "rejected"]
 

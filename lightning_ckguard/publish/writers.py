@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from lightning_ckguard._distributed import barrier, failures_from, gather_ints, is_rank_zero
-from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.publish.background import BackgroundPublisher, PluginWrites, PublicationUnit, WriteFailure
 from lightning_ckguard.publish.ledger import Ledger
+from lightning_ckguard.publish.seal import write_error
 from lightning_ckguard.publish.staging import discard, move_into_place, staging_path
 from lightning_ckguard.publish.storage import Storage
 
@@ -151,11 +151,8 @@ class _HoldsFailures(_EvictsAtTheEnd):
         held, self._held = self._held, None
         found = failures_from(collective, rows, held.error if held else None, held.path if held else None)
         published, self._unconfirmed = self._unconfirmed, None
-        if not found.ranks:
-            return None
-        error = held.error if held is not None else CheckpointWriteError(
-            ranks=list(found.ranks), filepath=found.detail, cause=found.cause)
-        return WriteFailure(error, published)
+        error = write_error(found, held.error if held else None, found.detail)
+        return WriteFailure(error, published) if error is not None else None
 
     def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
         if during_exception:  # no collective is safe: this rank's own failure only

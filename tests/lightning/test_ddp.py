@@ -167,31 +167,32 @@ def test_ema_best_boundary_is_guarded_on_every_rank(ranks):
     assert set(ranks[0]["ddp-ema_best-finite"]["tree"]) == {"epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"}
 
 
-def test_a_write_failing_on_rank_0_raises_on_every_rank_and_rolls_back(ranks):
-    # rank 0 alone writes under DDP; its full disk must not leave rank 1 waiting in the post-save barrier
-    errors = [results["ddp-val_topk-write-fails"]["error"] for results in ranks]
-    assert errors[0]["type"] == "OSError" and "No space left" in errors[0]["message"]
+def assert_rank_0_failed_and_every_rank_rolled_back(ranks: list[dict[str, Any]], scenario: str, own: str,
+                                                   told: str) -> None:
+    """Rank 0 raised its own error (``own`` in its message), rank 1 a ``CheckpointWriteError`` naming rank 0 (and
+    ``told``); every rank's ledger, and rank 0's files, are what they were before epoch 1's boundary, with the
+    checkpoint it would have evicted still there."""
+    errors = [results[scenario]["error"] for results in ranks]
+    assert errors[0]["type"] == "OSError" and own in errors[0]["message"]
     assert errors[1]["type"] == "CheckpointWriteError"
-    assert "failed on rank 0" in errors[1]["message"] and "No space left" in errors[1]["message"]
+    assert "failed on rank 0" in errors[1]["message"] and told in errors[1]["message"]
     for rank, results in enumerate(ranks):
-        result = results["ddp-val_topk-write-fails"]
+        result = results[scenario]
         assert result["state"] == result["snapshots"]["3"]["state"], f"rank {rank}: the ledger did not roll back"
-    rank0 = ranks[0]["ddp-val_topk-write-fails"]
+    rank0 = ranks[0][scenario]
     assert rank0["tree"] == rank0["snapshots"]["3"]["tree"]
     assert "epoch=0-step=2.ckpt" in rank0["tree"]  # the file it would have evicted stays
+
+
+def test_a_write_failing_on_rank_0_raises_on_every_rank_and_rolls_back(ranks):
+    # rank 0 alone writes under DDP; its full disk must not leave rank 1 waiting in the post-save barrier
+    assert_rank_0_failed_and_every_rank_rolled_back(ranks, "ddp-val_topk-write-fails", "No space left", "No space left")
 
 
 def test_a_move_refused_on_rank_0_raises_on_every_rank_at_the_next_boundary_and_rolls_back(ranks):
     # rank 0 renames after the boundary's last collective: its failure is held, rides in the next agreement, and
     # every rank raises there; nothing of the failed boundary is left, nothing was evicted
-    errors = [results["ddp-val_topk-move-fails"]["error"] for results in ranks]
-    assert errors[0]["type"] == "OSError" and "injected" in errors[0]["message"]
-    assert errors[1]["type"] == "CheckpointWriteError"
-    assert "failed on rank 0" in errors[1]["message"] and "epoch=1" in errors[1]["message"]
+    assert_rank_0_failed_and_every_rank_rolled_back(ranks, "ddp-val_topk-move-fails", "injected", "epoch=1")
     for rank, results in enumerate(ranks):
-        result = results["ddp-val_topk-move-fails"]
-        assert result["state"] == result["snapshots"]["3"]["state"], f"rank {rank}: the ledger did not roll back"
-        assert result["global_step"] == 6, f"rank {rank}: raised at the next boundary (epoch 2), not elsewhere"
-    rank0 = ranks[0]["ddp-val_topk-move-fails"]
-    assert rank0["tree"] == rank0["snapshots"]["3"]["tree"]
-    assert "epoch=0-step=2.ckpt" in rank0["tree"]  # the file it would have evicted stays
+        global_step = results["ddp-val_topk-move-fails"]["global_step"]
+        assert global_step == 6, f"rank {rank}: raised at the next boundary (epoch 2), not elsewhere"
