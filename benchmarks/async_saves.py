@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,17 @@ ROWS = {
 
 def run(row: str, args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
     callback_class, asynchronous = ROWS[row]
+    return timed_fit(lambda dirpath: callback_class(dirpath=dirpath, every_n_train_steps=args.every, save_top_k=1),
+                     asynchronous, args, root)
+
+
+def timed_fit(make_callback: Callable[[Path], Callback], asynchronous: bool, args: argparse.Namespace, root: Path
+              ) -> dict[str, list[float]]:
+    """One fit with the callback ``make_callback(dirpath)`` makes: the boundary steps, the steps right after them,
+    the other steps (seconds), and the whole fit."""
     dirpath = Path(tempfile.mkdtemp(dir=root))
     clock = StepClock()
-    callback = callback_class(dirpath=dirpath, every_n_train_steps=args.every, save_top_k=1)
+    callback = make_callback(dirpath)
     seed_everything(0, verbose=False)
     data = DataLoader(TensorDataset(torch.randn(args.steps * args.batch, args.width)), batch_size=args.batch)
     trainer = Trainer(max_steps=args.steps, callbacks=[callback, clock], plugins=[AsyncCheckpointIO()] if asynchronous

@@ -330,6 +330,27 @@ def refuse_moves_to(name: str) -> Callable[[], None]:
     return lambda: setattr(writers, "move_into_place", move)
 
 
+def refuse_flushes_of_staging(name: str, directories_only: bool = False) -> Callable[[], None]:
+    """From now on, this process's ``fsync`` of anything in the staging entry of a checkpoint whose file name starts
+    with ``name`` fails (an I/O error the disk reports on flush); with ``directories_only``, only of its directories
+    (which a writer such as torch's distributed checkpoint, flushing its own files, never flushes). Returns what undoes
+    it."""
+    from lightning_ckguard.publish.staging import staging_path
+
+    fsync = os.fsync
+    staged = os.path.basename(staging_path(name)).split(name)[0] + name  # the hidden prefix, then the name
+
+    def refusing(descriptor: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{descriptor}")
+        refused = not directories_only or os.path.isdir(path)
+        if refused and any(part.startswith(staged) for part in path.split(os.sep)):
+            raise OSError(5, "Input/output error (injected flush failure)")
+        fsync(descriptor)
+
+    os.fsync = refusing  # type: ignore[assignment]
+    return lambda: setattr(os, "fsync", fsync)
+
+
 def loads_completely(strategy: str, path: str) -> bool:
     """Whether ``path`` is a complete checkpoint of ``strategy``'s format (``ddp``: a file; ``deepspeed``, ``fsdp2``:
     a two-rank directory): every file it needs is there and loads."""

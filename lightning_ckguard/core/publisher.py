@@ -12,8 +12,9 @@ raises :class:`~lightning_ckguard.NonFiniteGradientError` on every rank and writ
 written into a hidden staging sibling of its name (every rank its part, through the strategy's own save: single
 files, DeepSpeed and FSDP directories), every rank learns whether any rank's write failed (a failure raises on every
 rank and leaves no partial file), and rank 0 then moves it into place with one rename (a directory by an exchange
-where the filesystem has one), so the name always holds a complete checkpoint. Only then does the guard start a
-fresh window.
+where the filesystem has one), so the name always holds a complete checkpoint. With ``durable=True`` (the default)
+each rank flushes what it wrote before the write's outcome is agreed, and rank 0 flushes the directory after the
+rename, so the checkpoint survives a machine crash too. Only then does the guard start a fresh window.
 
 On object storage (``dirpath="s3://bucket/run"``, any fsspec filesystem that is not local) one upload publishes a whole
 object, so a checkpoint is written at its name directly (single files: DDP, or rank 0 of a process group), and a
@@ -34,10 +35,11 @@ from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 from lightning_ckguard._distributed import is_rank_zero
 from lightning_ckguard.agree.agreement import Verdict, all_gather_for
 from lightning_ckguard.agree.guard import GradientGuard
+from lightning_ckguard.publish.durability import durability
 from lightning_ckguard.publish.seal import agree_on_write
 from lightning_ckguard.publish.staging import discard
 from lightning_ckguard.publish.storage import storage_for
-from lightning_ckguard.publish.writers import DirectWriter, StagedWriter
+from lightning_ckguard.publish.writers import DirectWriter, Flush, StagedWriter
 
 
 class ProcessGroupCollectives:
@@ -87,18 +89,22 @@ class CheckpointPublisher:
             an object-storage URL such as ``"s3://bucket/run"``.
         guard: The :class:`~lightning_ckguard.GradientGuard` of the loop; every ``save`` agrees through it first.
             Without one, nothing is checked and only the publication's guarantees hold.
+        durable: Whether a published checkpoint survives a machine crash, not only a killed process (a local
+            ``dirpath``: the data flushed before the rename, the directory after it); ``False`` for scratch storage.
 
     Raises:
-        ValueError: If ``dirpath`` is not a path or URL, ``guard`` is not a ``GradientGuard``, or ``dirpath`` is on
-            object storage and ``collective`` a strategy that writes through local paths.
+        ValueError: If ``dirpath`` is not a path or URL, ``guard`` is not a ``GradientGuard``, ``durable`` is not a
+            bool, or ``dirpath`` is on object storage and ``collective`` a strategy that writes through local paths.
     """
 
-    def __init__(self, collective: Any, dirpath: str | os.PathLike[str], *, guard: GradientGuard | None = None
-                 ) -> None:
+    def __init__(self, collective: Any, dirpath: str | os.PathLike[str], *, guard: GradientGuard | None = None,
+                 durable: bool = True) -> None:
         if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
             raise ValueError(f"`dirpath` must be a directory path or URL, got {dirpath!r}.")
         if guard is not None and not isinstance(guard, GradientGuard):
             raise ValueError(f"`guard` must be a GradientGuard or None, got {type(guard).__name__}.")
+        if not isinstance(durable, bool):
+            raise ValueError(f"`durable` must be a bool, got {durable!r} ({type(durable).__name__}).")
         if collective is None and dist.is_available() and dist.is_initialized():
             collective = ProcessGroupCollectives()
         elif isinstance(collective, dist.ProcessGroup):
@@ -111,7 +117,8 @@ class CheckpointPublisher:
         storage = storage_for(get_filesystem(self.dirpath))
         storage.refuse_strategy(collective, self.dirpath)
         # the same writers as the callback's: staged and renamed on local disk, direct where one upload is atomic
-        self._writer = StagedWriter(collective, storage) if storage.stages_writes else DirectWriter(collective)
+        self._writer = (StagedWriter(collective, storage, durability(durable)) if storage.stages_writes
+                        else DirectWriter(collective))
         if self.is_global_zero:
             storage.fs.makedirs(self.dirpath, exist_ok=True)
         # rank 0 recovers what a crash left; no rank writes before that (the one collective here)
@@ -164,10 +171,11 @@ class CheckpointPublisher:
         if failure is not None:
             raise failure.error
 
-    def _write_agreed(self, staging: str, state: dict[str, Any], path: str) -> None:
+    def _write_agreed(self, staging: str, flush: Flush, state: dict[str, Any], path: str) -> None:
         failure: Exception | None = None
         try:
             self._write(staging, state)
+            flush(staging)  # this rank's part, before the outcome is agreed: a failed flush is a failed write
         except Exception as error:  # held: every rank learns of it in the agreement below
             failure = error
         agree_on_write(self.collective, failure, path)

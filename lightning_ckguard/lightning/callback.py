@@ -69,6 +69,9 @@ class GuardedCheckpoint(_CheckpointBase):
             are reported either way.
         max_rewinds: With ``on_non_finite="rewind"``: how many rewinds one fit may make (default 3); a resumed fit
             counts from zero. Only valid with that policy.
+        durable: Whether a published checkpoint survives a machine crash, not only a killed process: on a local
+            ``dirpath`` its data is flushed (``fsync``) before it is renamed into place, and the directory after,
+            before anything is evicted. ``False`` skips the flushes (scratch storage). Object storage needs none.
 
     Raises:
         ValueError: If an argument has the wrong type, ``on_non_finite`` is not a known policy, ``max_rewinds`` is
@@ -112,13 +115,13 @@ class GuardedCheckpoint(_CheckpointBase):
         on_non_finite: NonFinitePolicy = "raise",
         count_skipped_steps: bool = False,
         max_rewinds: int | None = None,
+        durable: bool = True,
     ) -> None:
         arguments = dict(locals())
         validation.validate_arguments(arguments)
         super().__init__(**{name: arguments[name] for name in validation.MODEL_CHECKPOINT_ARGUMENTS})
         self.on_non_finite: NonFinitePolicy = on_non_finite
-        self.count_skipped_steps = count_skipped_steps
-        self.max_rewinds = max_rewinds
+        self.count_skipped_steps, self.max_rewinds, self.durable = count_skipped_steps, max_rewinds, durable
         self._decisions = Decisions()
         self._fit: GuardedFit | None = None  # from setup to teardown
 
@@ -136,8 +139,7 @@ class GuardedCheckpoint(_CheckpointBase):
     @property
     def rewinds(self) -> tuple[Rewind, ...]:
         """The rewinds of the current (or most recent) fit, oldest first; the same on every rank."""
-        rewind_log = self._decisions.rewind_log
-        return tuple(rewind_log.rewinds) if rewind_log is not None else ()
+        return self._decisions.rewinds
 
     @property
     def last_verdict(self) -> Verdict | None:
@@ -213,8 +215,7 @@ class GuardedCheckpoint(_CheckpointBase):
             fit.finish(during_exception=True)
 
     def admit_save(self, trainer: pl.Trainer, filepath: str) -> bool:
-        """Gate for every checkpoint write of the Trainer (see
-        ``PublicationSeal``).
+        """Gate for every checkpoint write of the Trainer (see ``PublicationSeal``).
 
         Our own accepted boundary passes. Any other write (manual ``trainer.save_checkpoint``, other callbacks)
         passes the same preflight agreement first; inside a running fit a rejection applies ``on_non_finite`` like
@@ -323,8 +324,7 @@ class GuardedCheckpoint(_CheckpointBase):
         return PUBLIC_NAME + self.state_key[len("ModelCheckpoint"):] if own_name else super()._legacy_state_key
 
     def __getstate__(self) -> dict[str, Any]:
-        # what only means something while a fit runs is not part of the callback's value
-        return {**vars(self), "_fit": None}
+        return {**vars(self), "_fit": None}  # what only means something while a fit runs is not part of its value
 
     def state_dict(self) -> dict[str, Any]:
         """``ModelCheckpoint``'s state, plus the format version of this release."""

@@ -26,8 +26,9 @@ from lightning_ckguard.agree.top_k_vote import TopKVote, agree_on_top_k, local_t
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.lightning.held_metrics import flush_held_metrics, hold_metrics
 from lightning_ckguard.lightning.validation import unwritable_dirpath_error
+from lightning_ckguard.publish.durability import durability
 from lightning_ckguard.publish.ledger import Ledger
-from lightning_ckguard.publish.seal import PublicationSeal
+from lightning_ckguard.publish.seal import PublicationSeal, save_flushed
 from lightning_ckguard.publish.staging import writes_directories
 from lightning_ckguard.publish.storage import Storage, storage_for
 from lightning_ckguard.publish.transaction import BoundaryTransaction, active_transaction, run_boundary
@@ -36,7 +37,7 @@ from lightning_ckguard.record.skips import scaler_skip_flag
 from lightning_ckguard.record.source_selection import gradient_source_for
 from lightning_ckguard.record.state_sources import averaged_weights, lightning_checkpoint_state
 from lightning_ckguard.recover.policy import Response, respond
-from lightning_ckguard.recover.rewind import DEFAULT_MAX_REWINDS, Position, RewindLog
+from lightning_ckguard.recover.rewind import DEFAULT_MAX_REWINDS, Position, Rewind, RewindLog
 
 log = logging.getLogger(__name__)
 _warnings = WarningCache()
@@ -59,6 +60,11 @@ class Decisions:
     last_report: BoundaryReport | None = None
     counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "rejected": 0})
     rewind_log: RewindLog | None = None  # the rewinds of the current (or most recent) fit
+
+    @property
+    def rewinds(self) -> tuple[Rewind, ...]:
+        """The rewinds of the current (or most recent) fit, oldest first."""
+        return tuple(self.rewind_log.rewinds) if self.rewind_log is not None else ()
 
 
 class GuardedFit:
@@ -182,7 +188,7 @@ class GuardedFit:
     def save(self, filepath: str) -> None:
         """``ModelCheckpoint._save_checkpoint`` inside an accepted boundary, through the fit's writer."""
         trainer, checkpoint = self.trainer, self.checkpoint
-        self.writer.save(filepath, lambda path: trainer.save_checkpoint(path, checkpoint.save_weights_only))
+        self.writer.save(filepath, lambda path, flush: save_flushed(trainer, path, flush, checkpoint.save_weights_only))
         checkpoint._last_global_step_saved = trainer.global_step
         checkpoint._last_checkpoint_saved = filepath
         if trainer.is_global_zero:  # after the move into place, so a logger that uploads the file finds it
@@ -429,8 +435,9 @@ def _writer_for(checkpoint: Any, trainer: Any, storage: Storage, background: boo
         and storage.stages_writes
     )
     staged_io = writes_directories(strategy) or isinstance(plugin, package.torch_checkpoint_io)
-    return choose_writer(strategy, storage, in_background=plugin if in_background else None,
-                         writes_through_lightning=through_lightning, staged_io=staged_io)
+    return choose_writer(strategy, storage, durability(checkpoint.durable),
+                         in_background=plugin if in_background else None, writes_through_lightning=through_lightning,
+                         staged_io=staged_io)
 
 
 __all__ = ["Decisions", "GuardedFit", "drop_missing_checkpoints", "link_in_boundary", "own_transaction"]

@@ -32,8 +32,8 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"`on_non_finite` must be one of {', '.join(map(repr, POLICIES))}, got {_describe(policy)}.")
     _check_rewind_arguments(arguments)
-    for flag in ("count_skipped_steps", "verbose", "save_on_exception", "save_weights_only", "auto_insert_metric_name",
-                 "enable_version_counter"):
+    for flag in ("count_skipped_steps", "durable", "verbose", "save_on_exception", "save_weights_only",
+                 "auto_insert_metric_name", "enable_version_counter"):
         _check_type(flag, arguments[flag], (bool,), "a bool")
     _check_type("save_on_train_epoch_end", arguments["save_on_train_epoch_end"], (bool,), "a bool or None", True)
     _check_type("dirpath", arguments["dirpath"], (str, os.PathLike), "a path or None", True)

@@ -5,9 +5,10 @@ agreed on and committed on the training thread, and its checkpoint is serialized
 cloned, as ``AsyncCheckpointIO`` does); everything that touches storage becomes one :class:`PublicationUnit`, run on a
 single background thread in the order the boundaries were accepted:
 
-1. every write of the boundary, into its staging sibling;
-2. each staging entry moved into place, then ``last`` linked or replaced, in the order the hook asked;
-3. the evictions, last: nothing is evicted before the checkpoint that replaces it is published.
+1. every write of the boundary, into its staging sibling, then flushed (:mod:`~lightning_ckguard.publish.durability`);
+2. each staging entry moved into place, then ``last`` linked or replaced, in the order the hook asked, each followed by
+   the flush of its directory;
+3. the evictions, last: nothing is evicted before the checkpoint that replaces it is published, flushed included.
 
 A unit whose write or move fails removes what it had put down (staging entries, names it created) and stops the
 queue: no later unit publishes, since its checkpoint lists the one that failed. The failure is held until the next
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_ckguard._distributed import failures_from
+from lightning_ckguard.publish.durability import Durability
 from lightning_ckguard.publish.ledger import Ledger
 from lightning_ckguard.publish.seal import write_error
 from lightning_ckguard.publish.staging import discard, make_link, move_into_place, published_path, staging_path
@@ -53,24 +55,32 @@ class PublicationUnit:
     Args:
         sequence: The boundary's place in acceptance order (the same on every rank).
         before: The callback's ledger before the boundary: what a failure of this unit rolls back to.
+        durability: What is flushed after each write and each move into place.
     """
 
     sequence: int
     before: Ledger
+    durability: Durability
     writes: list[_Operation] = field(default_factory=list)
     publications: list[_Operation] = field(default_factory=list)
     evictions: list[_Operation] = field(default_factory=list)
 
     def write(self, staging: str, save: Callable[[], None]) -> None:
-        """Write a checkpoint into ``staging`` (``save`` does it, from a snapshot taken on the training thread)."""
-        self.writes.append(_Operation("write", published_path(staging), save, staging))
+        """Write a checkpoint into ``staging`` (``save`` does it, from a snapshot taken on the training thread), then
+        flush it."""
+
+        def save_and_flush() -> None:
+            save()
+            self.durability.flush_written(staging)
+
+        self.writes.append(_Operation("write", published_path(staging), save_and_flush, staging))
 
     def publish(self, staging: str, filepath: str) -> None:
         """Move ``staging`` into place as ``filepath`` once every write of the unit is done."""
 
         def move() -> None:
             if os.path.lexists(staging):  # a write that left nothing there has nothing to publish
-                move_into_place(staging, filepath)
+                self._move_into_place(staging, filepath)
 
         self.publications.append(_Operation("publish", filepath, move, staging))
 
@@ -80,9 +90,13 @@ class PublicationUnit:
 
         def link_and_move() -> None:
             make_link(target, staging)
-            move_into_place(staging, linkpath)
+            self._move_into_place(staging, linkpath)
 
         self.publications.append(_Operation("publish", linkpath, link_and_move, staging))
+
+    def _move_into_place(self, staging: str, filepath: str) -> None:
+        move_into_place(staging, filepath)
+        self.durability.flush_entries(os.path.dirname(filepath))
 
     def evict(self, path: str, remove: Callable[[str], None]) -> None:
         """Remove ``path`` (with ``remove``) once the unit has published everything; never a name the unit itself
@@ -226,7 +240,8 @@ class BackgroundPublisher:
     so the units' ledgers are the same on every rank.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, durability: Durability) -> None:
+        self._durability = durability
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._futures: list[Future[None]] = []
@@ -237,7 +252,7 @@ class BackgroundPublisher:
 
     def open_unit(self, before: Ledger) -> PublicationUnit:
         """A new unit for the boundary starting now, whose ledger is ``before``."""
-        return PublicationUnit(self._next_sequence, before)
+        return PublicationUnit(self._next_sequence, before, self._durability)
 
     def submit(self, unit: PublicationUnit) -> None:
         """Queue ``unit`` behind every unit submitted before it; it starts once they are done."""

@@ -36,6 +36,9 @@ class PublicationSeal:
     the seal never keeps a callback alive.
     """
 
+    #: Run on every rank right after its own part of a write, before the outcome is agreed (see :func:`save_flushed`).
+    _flush: Callable[[str], None] = staticmethod(lambda path: None)
+
     def __init__(self, trainer: Any) -> None:
         self._trainer = trainer
         self._save_checkpoint: Callable[..., Any] = trainer.save_checkpoint
@@ -109,6 +112,8 @@ class PublicationSeal:
             try:
                 with _file_writes_holding_failures(strategy, hold):
                     write(*args, **kwargs)
+                if failure is None:
+                    self._flush(str(filepath))  # a flush that fails is a failed write, agreed below
             except Exception as error:
                 hold(error)
 
@@ -132,6 +137,19 @@ class PublicationSeal:
             if failure is None or error is failure:
                 raise
             raise failure from error
+
+
+def save_flushed(trainer: Any, filepath: str, flush: Callable[[str], None], *args: Any) -> None:
+    """``trainer.save_checkpoint(filepath, *args)``, with ``flush(filepath)`` run on every rank right after its own
+    part is written and before the write's outcome is agreed, so that a flush that fails on one rank fails the write
+    on every rank. A Trainer driven by hand, whose writes are not sealed, flushes after its save returns."""
+    seal = vars(trainer).get("save_checkpoint")
+    if not isinstance(seal, PublicationSeal):
+        trainer.save_checkpoint(filepath, *args)
+        flush(filepath)
+        return
+    with _replaced(seal, "_flush", flush):
+        seal(filepath, *args)
 
 
 @contextmanager

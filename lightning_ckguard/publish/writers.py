@@ -23,19 +23,24 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from lightning_ckguard._distributed import barrier, failures_from, gather_ints, is_rank_zero
 from lightning_ckguard.publish.background import BackgroundPublisher, PluginWrites, PublicationUnit, WriteFailure
+from lightning_ckguard.publish.durability import Durability
 from lightning_ckguard.publish.ledger import Ledger
 from lightning_ckguard.publish.seal import write_error
-from lightning_ckguard.publish.staging import discard, move_into_place, staging_path
+from lightning_ckguard.publish.staging import discard, move_into_place, staging_path, writes_directories
 from lightning_ckguard.publish.storage import Storage
 
 log = logging.getLogger(__name__)
 
-#: ``write(path)`` writes the checkpoint at ``path`` on every rank, and raises on every rank if any rank failed.
-Write = Callable[[str], None]
+#: ``flush(path)`` makes what a rank wrote at ``path`` durable (:mod:`~lightning_ckguard.publish.durability`).
+Flush = Callable[[str], None]
+#: ``write(path, flush)`` writes the checkpoint at ``path`` on every rank, runs ``flush(path)`` on each rank right
+#: after its own part, and raises on every rank if any rank's write or flush failed.
+Write = Callable[[str, Flush], None]
 #: ``link(target, linkpath)`` makes ``linkpath`` a link to ``target`` (``ModelCheckpoint``'s own link).
 Link = Callable[[str, str], None]
 #: ``remove(path)`` removes a checkpoint for real (``ModelCheckpoint``'s own removal).
@@ -178,11 +183,15 @@ class _HoldsFailures(_EvictsAtTheEnd):
 
 
 class StagedWriter(_HoldsFailures):
-    """Local files and directories, written by Lightning into a staging sibling and moved into place by rank 0."""
+    """Local files and directories, written by Lightning into a staging sibling and moved into place by rank 0, with
+    the flushes of ``durability`` in between (data before the rename, the directory after it)."""
 
-    def __init__(self, collective: Any, storage: Storage) -> None:
+    def __init__(self, collective: Any, storage: Storage, durability: Durability) -> None:
         super().__init__(collective)
-        self._storage = storage
+        self._storage, self._durability = storage, durability
+        # a file is written by rank 0 alone; a directory by every rank, each flushing what it sees once its part is in
+        writes_alone = not writes_directories(collective) and not is_rank_zero(collective)
+        self._flush_written = _nothing_to_flush if writes_alone else durability.flush_written
 
     def save(self, filepath: str, write: Write) -> None:
         staging = staging_path(filepath)
@@ -190,7 +199,7 @@ class StagedWriter(_HoldsFailures):
         if rank_zero:
             self._storage.release_retired(filepath)  # at most two copies of a name at a time
         try:
-            write(staging)
+            write(staging, self._flush_written)
         except BaseException:
             if rank_zero:
                 discard(staging)
@@ -198,7 +207,7 @@ class StagedWriter(_HoldsFailures):
         self._written.append(filepath)
         # a write that left nothing there (a checkpoint IO writing elsewhere) has nothing to publish
         if rank_zero and os.path.lexists(staging):
-            self._in_place(filepath, staging, lambda: move_into_place(staging, filepath))
+            self._in_place(filepath, staging, partial(self._move_into_place, staging, filepath))
 
     def link(self, target: str, linkpath: str, link: Link) -> None:
         # made beside `linkpath` (same relative target) and renamed over it: `last` is never absent
@@ -206,7 +215,12 @@ class StagedWriter(_HoldsFailures):
         link(target, staging)  # rank 0 links, then ModelCheckpoint's barrier
         self._written.append(linkpath)
         if is_rank_zero(self._collective) and os.path.lexists(staging):
-            self._in_place(linkpath, staging, lambda: move_into_place(staging, linkpath))
+            self._in_place(linkpath, staging, partial(self._move_into_place, staging, linkpath))
+
+    def _move_into_place(self, staging: str, filepath: str) -> None:
+        """The rename, then the flush of the directory that holds the name: before any eviction in it."""
+        move_into_place(staging, filepath)
+        self._durability.flush_entries(os.path.dirname(filepath))
 
 
 class DirectWriter(_EvictsAtTheEnd):
@@ -214,7 +228,7 @@ class DirectWriter(_EvictsAtTheEnd):
     own ``CheckpointIO`` or ``save_checkpoint``, which gets exactly the path it is given)."""
 
     def save(self, filepath: str, write: Write) -> None:
-        write(filepath)
+        write(filepath, _nothing_to_flush)  # the upload, or the user's own IO, is the publication
         self._written.append(filepath)
 
     def link(self, target: str, linkpath: str, link: Link) -> None:
@@ -226,10 +240,10 @@ class BackgroundWriter:
     """Under Lightning's ``AsyncCheckpointIO``: each accepted boundary's storage operations as one unit, run in
     acceptance order on the guard's one publication thread; the plugin is called as ``ModelCheckpoint`` calls it."""
 
-    def __init__(self, collective: Any, plugin: Any) -> None:
+    def __init__(self, collective: Any, plugin: Any, durability: Durability) -> None:
         self._collective = collective
         self._writes = PluginWrites.install(plugin)
-        self._publisher = BackgroundPublisher()
+        self._publisher = BackgroundPublisher(durability)
         self._unit: PublicationUnit | None = None
 
     def open(self, before: Ledger | None) -> None:
@@ -242,7 +256,7 @@ class BackgroundWriter:
         assert unit is not None
         expected = writes.expect(filepath) if is_rank_zero(self._collective) else None  # rank 0 calls the plugin
         try:
-            write(filepath)
+            write(filepath, _nothing_to_flush)  # the plugin hands the checkpoint over; its unit writes and flushes
         except BaseException:
             if expected is not None:
                 writes.forget(filepath, expected)
@@ -289,6 +303,10 @@ class BackgroundWriter:
         self._writes.uninstall()
 
 
+def _nothing_to_flush(path: str) -> None:
+    """What a write that is not staged flushes: nothing."""
+
+
 def _remove_all(paths: Any, remove: Remove) -> None:
     for path in list(paths):
         try:
@@ -297,16 +315,17 @@ def _remove_all(paths: Any, remove: Remove) -> None:
             log.warning("Could not remove %s after a failed checkpoint write: %s", path, cleanup_error)
 
 
-def choose_writer(collective: Any, storage: Storage, *, in_background: Any | None, writes_through_lightning: bool,
-                  staged_io: bool) -> Writer:
+def choose_writer(collective: Any, storage: Storage, durability: Durability, *, in_background: Any | None,
+                  writes_through_lightning: bool, staged_io: bool) -> Writer:
     """The write path of one fit (the same on every rank): ``in_background`` is the Trainer's ``AsyncCheckpointIO``
     when its writes can be published in the background; ``writes_through_lightning`` says the Trainer's own
     ``save_checkpoint`` writes (not one the user replaced); ``staged_io`` that its checkpoint IO writes exactly the
-    path it is given (Lightning's own, or a strategy that writes directories)."""
+    path it is given (Lightning's own, or a strategy that writes directories). ``durability`` applies to what is
+    staged and renamed; a direct write is published as its writer leaves it."""
     if in_background is not None:
-        return BackgroundWriter(collective, in_background)
+        return BackgroundWriter(collective, in_background, durability)
     if storage.stages_writes and writes_through_lightning and staged_io:
-        return StagedWriter(collective, storage)
+        return StagedWriter(collective, storage, durability)
     return DirectWriter(collective)
 
 

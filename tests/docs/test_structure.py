@@ -24,7 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                "record.window", "record.skips", "record.state_sources", "record.state_check"),
     "agree": ("agree", "agree.report", "agree.agreement", "agree.guard", "agree.top_k_vote"),
     "publish": ("publish", "publish.ledger", "publish.transaction", "publish.seal", "publish.staging",
-                "publish.background", "publish.remote", "publish.storage", "publish.writers"),
+                "publish.background", "publish.remote", "publish.storage", "publish.writers", "publish.durability"),
     "recover": ("recover", "recover.policy", "recover.rewind"),
     "core": ("core", "core.publisher"),  # the Trainer-free publisher: agreement and publication together
     # "": the package itself; "callback": the import path of earlier releases
