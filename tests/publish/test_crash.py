@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from checkpoint_formats import loads_completely
 
 from conftest import OUT, Launch, WorkerResults, deepspeed_missing
-from helpers import cross_device_tmpdir, cross_device_tmpdir_or_skip, loads_completely
+from helpers import cross_device_tmpdir, cross_device_tmpdir_or_skip
 
 pytestmark = pytest.mark.multiprocess
 DEEPSPEED_PARAMETERS = {"deepspeed"}  # their items are marked `deepspeed` (conftest)

@@ -3,12 +3,12 @@
 
     python poll_last.py DIRPATH STRATEGY STOP_FILE OUT_JSON
 
-Once its imports are done it creates ``STOP_FILE.ready``; then in a tight loop until ``STOP_FILE`` exists, it looks
-at ``DIRPATH/last.ckpt`` and at the checkpoint named in
-``DIRPATH/best.txt`` (the callback's ``best_model_path``, written there by rank 0), and counts each look: ``last``
-absent (once it has appeared), present but not loading completely (``helpers.loads_completely``), and the same for the
-best checkpoint; a best path that changed while it looked is a stale read, not counted. Writes the counts to
-``OUT_JSON``.
+Once its imports are done (``torch`` and ``tests/checkpoint_formats.py``, not Lightning) it creates
+``STOP_FILE.ready``; then in a tight loop until ``STOP_FILE`` exists, it looks at ``DIRPATH/last.ckpt`` and at the
+checkpoint named in ``DIRPATH/best.txt`` (the callback's ``best_model_path``, written there by rank 0), and counts
+each look: ``last`` absent (once it has appeared), present but not loading completely
+(``checkpoint_formats.loads_completely``), and the same for the best checkpoint; a best path that changed while it
+looked is a stale read, not counted. Writes the counts to ``OUT_JSON``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-
-from helpers import loads_completely  # noqa: E402
+from checkpoint_formats import loads_completely  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
