@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -48,6 +50,28 @@ def filesystem(path: Path) -> str:
         return out.splitlines()[1].split()[1]
     except (OSError, subprocess.CalledProcessError, IndexError):
         return "unknown"
+
+
+def flush_alone(root: Path, megabytes: float, repeats: int = 3) -> tuple[float, float]:
+    """What the storage under ``root`` takes to flush a freshly written file of ``megabytes``, and its directory:
+    the medians of ``repeats`` tries (seconds), the floor of what durability adds to a synchronous boundary."""
+    data = os.urandom(1 << 20) * max(1, round(megabytes))
+    files, directories = [], []
+    for attempt in range(repeats):
+        path = root / f"flush-{attempt}.bin"
+        path.write_bytes(data)
+        started = time.perf_counter()
+        descriptor = os.open(path, os.O_RDONLY)
+        os.fsync(descriptor)
+        os.close(descriptor)
+        files.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        descriptor = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(descriptor)
+        os.close(descriptor)
+        directories.append(time.perf_counter() - started)
+        path.unlink()
+    return median(files), median(directories)
 
 
 def measure(args: argparse.Namespace, root: Path, asynchronous: bool) -> dict[str, dict[str, list[float]]]:
@@ -86,6 +110,9 @@ def main() -> None:
         for size, width in SIZES.items():
             args.width = width
             megabytes = args.depth * (width * width + width) * 12 / 1e6
+            file_flush, directory_flush = flush_alone(root, megabytes)
+            print(f"\n{size} checkpoint: fsync of a fresh {megabytes:.0f} MB file {ms(file_flush)} ms, of its "
+                  f"directory {ms(directory_flush)} ms (the storage alone)")
             for asynchronous in (False, True):
                 results = measure(args, root, asynchronous)
                 mode = "AsyncCheckpointIO" if asynchronous else "synchronous"
