@@ -41,7 +41,8 @@ def agree_among(rows: Sequence[list[int]], global_step: int, names: Sequence[str
     assert ballots.shape == (world_size, TALLY_SIZE)
     tally, roll, ran = Tally.from_words(ballots.amax(0).tolist(), world_size), RollCall(), ["max"]
     if tally.rejects:
-        called = torch.tensor([roll_call(r, row, tally, count_skipped_steps) for r, row in zip(reports, rows)])
+        called = torch.tensor([roll_call(report, row, tally, count_skipped_steps)
+                               for report, row in zip(reports, rows, strict=True)])
         roll, ran = RollCall.from_words(called.sum(0).tolist(), tally, len(rows[0])), ran + ["sum"]
     return reach_verdict(tally, roll, global_step, names, count_skipped_steps), ran
 
