@@ -124,3 +124,26 @@ def test_single_process_gather_adds_the_world_dimension():
     assert all_gather_for(None)(summary).shape == (1, SUMMARY_SIZE + STATE_SUMMARY_SIZE)
     with pytest.raises(ValueError, match="collective"):
         all_gather_for(object())
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["accepted", "rejected"])
+def test_a_guard_runs_one_collective_when_it_accepts_and_one_more_only_when_it_rejects(monkeypatch, nan):
+    from types import SimpleNamespace
+
+    from helpers import reducing_with_peers
+    from lightning_ckguard import GradientGuard
+    from lightning_ckguard.agree.agreement import NAMED_RANKS, ROLL_HEADER
+
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    if nan:
+        model.bias.grad[0] = float("nan")
+    guard = GradientGuard(model)
+    guard.record(step=3)
+    clean_peer = ballot(RankReport.from_summary(1, _row()), 2, count_skipped_steps=False)
+    silent_roll = [0] * (ROLL_HEADER + NAMED_RANKS.slots * len(_row()))  # a clean rank, not named, counts nothing
+    ops = reducing_with_peers(monkeypatch, [clean_peer], [silent_roll])
+    rank0 = SimpleNamespace(world_size=2, global_rank=0, root_device=torch.device("cpu"))
+    verdict, _ = guard.agree_carrying(rank0, (), global_step=4)
+    assert ops == (["max", "sum"] if nan else ["max"])
+    assert verdict.accepted is not nan and verdict.ranks == ((0,) if nan else ())
