@@ -1,13 +1,17 @@
-"""Per-boundary preflight: the guard's one agreement collective, timed on 2- and 4-process gloo (CPU).
+"""Per-boundary preflight: the guard's agreement, timed on 2- and 8-process gloo (CPU), against ModelCheckpoint's own
+collectives of the same boundary, in one run.
 
-Each rank records a step, then every iteration starts from a barrier and times on every rank:
+Each rank records a step (a second guard records a NaN on rank 1), then every iteration starts from a barrier and
+times on every rank:
 
-  guard.agree(pg)                  the whole preflight: window summary, ONE all_gather of 57 int64 per rank
-                                   (16 for the window, 41 for the state check's outcome; 456 bytes x world size),
-                                   the verdict (the state check's own read is timed by ``state_check.py``)
-  all_gather(57 int64) alone       the collective inside it, without the summary and the verdict
-  reduce_boolean_decision          what ModelCheckpoint runs per monitored boundary (the top-K vote): one
-                                   all_reduce of one integer (DDPStrategy.reduce_boolean_decision)
+  guard.agree(pg)                  an accepted boundary: the rank's own summary read, ONE all_reduce (MAX) of the
+                                   tally (TALLY_SIZE int64, the same at any world size), the verdict
+  guard.agree(pg), rejected        a rejected boundary (NaN on rank 1): the tally, then the roll call (one more
+                                   all_reduce, SUM, of the named ranks' reports), the verdict
+  all_reduce(tally) alone          the accepted boundary's collective, without the summary and the verdict
+  all_gather(57 int64) (before)    the collective of the previous agreement (456 bytes x world size per rank)
+  reduce_boolean_decision          what ModelCheckpoint runs per monitored boundary (the top-K vote): a barrier,
+                                   then one all_reduce of one integer (DDPStrategy.reduce_boolean_decision)
   broadcast(file_exists)           what ModelCheckpoint runs per saved file (``file_exists``): broadcast_object_list
                                    of a bool, i.e. two broadcasts (size, then pickled payload)
   barrier                          Trainer.save_checkpoint's barrier before every save
@@ -16,7 +20,7 @@ The table shows, per world size, the median over iterations of the slowest rank'
 ModelCheckpoint's own per-boundary collectives (vote + file_exists + barrier). This script starts processes: run it
 alone (``flock /tmp/mp.lock python benchmarks/preflight.py``).
 
-    python benchmarks/preflight.py                         # world sizes 2 and 4, ~30 s
+    python benchmarks/preflight.py                         # world sizes 2 and 8, ~1 min on 2 cores
     python benchmarks/preflight.py --world-sizes 2 4 8 --iterations 500
 """
 
@@ -40,13 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median, table  # noqa: E402
 
 from lightning_ckguard import GradientGuard  # noqa: E402
+from lightning_ckguard.agree.agreement import TALLY_SIZE  # noqa: E402
 from lightning_ckguard.record.state_check import STATE_SUMMARY_SIZE  # noqa: E402
 from lightning_ckguard.record.window import SUMMARY_SIZE  # noqa: E402
 
-PAYLOAD = SUMMARY_SIZE + STATE_SUMMARY_SIZE  # int64 per rank: the window's summary, then the state check's part
-GATHER_ROW = f"all_gather({PAYLOAD} int64) alone"
+BEFORE = SUMMARY_SIZE + STATE_SUMMARY_SIZE  # int64 per rank the previous agreement gathered from every rank
+REDUCE_ROW = f"all_reduce({TALLY_SIZE} int64) alone"
+GATHER_ROW = f"all_gather({BEFORE} int64) (before)"
 
-ROWS = ["guard.agree(pg)", GATHER_ROW, "reduce_boolean_decision", "broadcast(file_exists)", "barrier"]
+ROWS = ["guard.agree(pg)", "guard.agree(pg), rejected", REDUCE_ROW, GATHER_ROW, "reduce_boolean_decision",
+        "broadcast(file_exists)", "barrier"]
 
 
 def _free_port() -> int:
@@ -55,26 +62,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _guard(nan: bool) -> GradientGuard:
+    """A guard that recorded one step of a small model (with a NaN gradient if ``nan``)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    model(torch.randn(4, 64)).sum().backward()
+    if nan:
+        model[0].weight.grad[0, 0] = float("nan")
+    guard = GradientGuard(model)
+    guard.record(step=0)
+    return guard
+
+
 def _worker(rank: int, world: int, port: int, iterations: int, out: str) -> None:
     signal.alarm(300)  # a hung collective fails the benchmark instead of hanging it
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    model(torch.randn(4, 64)).sum().backward()
-    guard = GradientGuard(model)
-    guard.record(step=0)
+    guard, diverged = _guard(nan=False), _guard(nan=rank == 1)
     pg = dist.group.WORLD
 
-    def vote() -> None:  # DDPStrategy.reduce_boolean_decision
+    def vote() -> None:  # DDPStrategy.reduce_boolean_decision, through Lightning's _sync_ddp: a barrier first
         decision = torch.tensor(1)
+        dist.barrier()
         dist.all_reduce(decision, op=dist.ReduceOp.SUM)
         bool(decision == world)
 
-    summary = torch.zeros(PAYLOAD, dtype=torch.int64)
+    tally, summary = torch.zeros(TALLY_SIZE, dtype=torch.int64), torch.zeros(BEFORE, dtype=torch.int64)
     gather = [torch.empty_like(summary) for _ in range(world)]
     ops = {
         "guard.agree(pg)": lambda: guard.agree(pg, global_step=1),
+        "guard.agree(pg), rejected": lambda: diverged.agree(pg, global_step=1),
+        REDUCE_ROW: lambda: dist.all_reduce(tally, op=dist.ReduceOp.MAX),
         GATHER_ROW: lambda: dist.all_gather(gather, summary),
         "reduce_boolean_decision": vote,
         "broadcast(file_exists)": lambda: dist.broadcast_object_list([os.path.exists(out)], src=0),
@@ -108,12 +126,13 @@ def measure(world: int, iterations: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--iterations", type=int, default=200)
     args = parser.parse_args()
     print(f"# Preflight agreement latency (gloo, CPU)\n\nMachine: {machine()}\n")
-    print(f"Payload of the agreement: {PAYLOAD} int64 per rank ({PAYLOAD * 8} bytes x world size), "
-          f"one all_gather per boundary; {args.iterations} iterations, median of the slowest rank.\n")
+    print(f"The agreement: one all_reduce of {TALLY_SIZE} int64 per accepted boundary ({TALLY_SIZE * 8} bytes at any "
+          f"world size; before: one all_gather of {BEFORE} int64, {BEFORE * 8} bytes x world size); "
+          f"{args.iterations} iterations, median of the slowest rank.\n")
     rows = []
     for world in args.world_sizes:
         result = measure(world, args.iterations)

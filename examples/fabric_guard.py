@@ -13,7 +13,7 @@ window of the guard) and train on, and the next saves are finite again::
 
     step 4: accepted, wrote step=4.ckpt
     step 8: rejected on every rank: NonFiniteGradientError(ranks=(1,), steps 7-7, parameters=['2.weight'])
-            rank 0: 0 non-finite steps; rank 1: 1 non-finite step; non-finite state rank 1: model: parameter 2.weight
+            rank 1: 1 non-finite step; non-finite state rank 1: model: parameter 2.weight
             nothing written; rolled back to step=4.ckpt
     step 12: accepted, wrote step=12.ckpt
     on disk: step=12.ckpt (finite), step=4.ckpt (finite)
@@ -69,7 +69,7 @@ def describe(verdict: Verdict) -> list[str]:
     if verdict.accepted:
         return []
     error = verdict.to_error()
-    per_rank = "; ".join(
+    per_rank = "; ".join(  # the ranks the rejection names (the offending ones), each with its own report
         f"rank {r.rank}: {r.non_finite_steps} non-finite step{'' if r.non_finite_steps == 1 else 's'}"
         for r in verdict.reports
     )

@@ -1,8 +1,12 @@
-"""Strategy facts and the small collectives every concern shares: whether there are peers, one ``all_gather`` of a
+"""Strategy facts and the small collectives every concern shares: whether there are peers, one all-reduce of a
 few integers, a broadcast of a Python value, and a named barrier. Each is a no-op (no collective) without peers.
 
-Everything goes through the Lightning or Fabric strategy, so its process group and its timeout apply. Nothing here
-imports recording, agreement or publication code: every other module may import this one.
+The all-reduce sends and receives the same bytes at any world size: what a rank contributes is reduced with MAX (a
+field reduced with MIN is sent negated), and the ranks a decision names ride as a :class:`RankMap`, a fixed number of
+words. It runs on the process group of the Lightning or Fabric strategy (the default group, whose timeout applies)
+through ``torch.distributed`` itself: the strategies' own ``reduce`` adds a barrier before it. Broadcasts and barriers
+go through the strategy. Nothing here imports recording, agreement or publication code: every other module may import
+this one.
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 T = TypeVar("T")
+#: What a field reduced with MIN is sent as by a rank that has no value for it (it then never wins the MAX).
+NO_VALUE = -(2**62)
 
 
 def is_multiprocess(strategy: Any) -> bool:
@@ -28,15 +36,66 @@ def is_rank_zero(collective: Any) -> bool:
     return bool(getattr(collective, "is_global_zero", True))
 
 
-def gather_ints(strategy: Any, values: Sequence[int]) -> list[list[int]]:
-    """Every rank's ``values`` (the same length on every rank), in rank order, from one ``all_gather``.
+def rank_and_world(collective: Any) -> tuple[int, int]:
+    """``(this rank, world size)`` of ``collective``: a strategy, a process group's collectives, a
+    ``torch.distributed`` process group, or ``None`` (a single process)."""
+    if collective is None:
+        return 0, 1
+    if isinstance(collective, dist.ProcessGroup):
+        return dist.get_rank(collective), dist.get_world_size(collective)
+    rank = getattr(collective, "global_rank", getattr(collective, "group_rank", 0))
+    return int(rank), int(getattr(collective, "world_size", 1))
 
-    Without peers, ``[list(values)]`` and no collective.
+
+_REDUCE_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+
+
+def all_reduce_ints(collective: Any, values: Tensor, op: str = "max") -> Tensor:
+    """``values`` (int64) reduced over every rank of ``collective`` with ``op`` (``"max"`` or ``"sum"``), in one
+    ``torch.distributed.all_reduce``; the same bytes at any world size. Without peers, ``values`` and no collective."""
+    if isinstance(collective, dist.ProcessGroup):
+        group: Any = collective
+    elif not is_multiprocess(collective):
+        return values
+    else:  # a process group's collectives name theirs; Lightning's and Fabric's strategies run on the default one
+        group = getattr(collective, "group", None)
+    dist.all_reduce(values, op=_REDUCE_OPS[op], group=group)
+    return values
+
+
+def reduce_ints(collective: Any, values: Sequence[int]) -> list[int]:
+    """The largest of every rank's ``values``, field by field (the same length on every rank), from one all-reduce
+    (:func:`all_reduce_ints`). Without peers, ``list(values)`` and no collective."""
+    device = getattr(collective, "root_device", torch.device("cpu"))
+    local = torch.tensor(list(values), dtype=torch.int64, device=device)
+    return all_reduce_ints(collective, local).tolist()
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """A set of ranks in ``slots`` words, the same at any world size: the ranks are split into ``slots`` runs of
+    consecutive ranks, and each word names the lowest member of its run (every member, up to ``slots`` ranks).
+
+    Each rank sends :meth:`words` and the words are reduced with MAX; :meth:`ranks` reads the reduced words. Members
+    of a higher ``priority`` win their run.
     """
-    if not is_multiprocess(strategy):
-        return [list(values)]
-    local = torch.tensor(list(values), dtype=torch.int64, device=strategy.root_device)
-    return strategy.all_gather(local).view(-1, len(values)).tolist()
+
+    slots: int
+
+    def words(self, rank: int, world_size: int, member: bool, priority: int = 0) -> list[int]:
+        """This rank's words: zeros, or, if it is a ``member``, its key in the word of its run."""
+        words = [0] * self.slots
+        if member:
+            words[rank * self.slots // world_size] = (priority + 1) * world_size - rank
+        return words
+
+    def ranks(self, words: Sequence[int], world_size: int) -> tuple[int, ...]:
+        """The members named by the reduced ``words``, in rank order."""
+        return tuple(-int(word) % world_size for word in words if word > 0)
+
+
+#: Up to how many failing ranks (every one of them up to this world size) a failure names.
+FAILING_RANKS = RankMap(8)
 
 
 def broadcast_value(strategy: Any, value: T, src: int = 0) -> T:
@@ -62,39 +121,49 @@ class Failures:
     """What every rank learned, at the same point, of a step that may have failed on some ranks.
 
     Attributes:
-        ranks: The ranks on which it failed (empty: it succeeded everywhere).
+        ranks: The ranks on which it failed (empty: it succeeded everywhere); beyond eight ranks, the lowest failing
+            rank of each eighth of the ranks (:data:`FAILING_RANKS`).
         cause: The first failing rank's error, described (:func:`describe_error`); None when nothing failed.
         detail: What that rank sent along with it (a path, say); None when nothing failed.
-        values: Every rank's extra integers, in rank order (what :func:`agree_on_failure` got as ``values``).
+        values: The largest of every rank's extra integers, field by field (what :func:`agree_on_failure` got as
+            ``values``).
     """
 
     ranks: tuple[int, ...]
     cause: str | None = None
     detail: Any = None
-    values: tuple[tuple[int, ...], ...] = ()
+    values: tuple[int, ...] = ()
+
+
+def failure_words(collective: Any, failure: BaseException | None, values: Sequence[int] = ()) -> list[int]:
+    """This rank's part of a failure agreement: which rank failed (:data:`FAILING_RANKS`), then ``values``."""
+    rank, world_size = rank_and_world(collective)
+    return [*FAILING_RANKS.words(rank, world_size, failure is not None), *values]
 
 
 def agree_on_failure(
     strategy: Any, failure: BaseException | None, *, values: Sequence[int] = (), detail: Any = None
 ) -> Failures:
-    """Tell every rank which ranks failed, and the first one's error: one ``all_gather`` of a flag (and ``values``, a
-    few integers every rank sends alike), then, only on a failure, one broadcast from the first failing rank of its
-    description and ``detail``. The same :class:`Failures` on every rank; without peers, no collective.
+    """Tell every rank which ranks failed, and the first one's error: one all-reduce of which ranks failed (and
+    ``values``, a few integers every rank sends alike, reduced with MAX), then, only on a failure, one broadcast from
+    the first failing rank of its description and ``detail``. The same :class:`Failures` on every rank; without peers,
+    no collective.
 
     The pattern behind every "it failed on some rank, so every rank raises": a rank that raised alone would leave its
     peers waiting in the next collective.
     """
-    rows = gather_ints(strategy, [int(failure is not None), *values])
-    return failures_from(strategy, rows, failure, detail)
+    reduced = reduce_ints(strategy, failure_words(strategy, failure, values))
+    return failures_from(strategy, reduced, failure, detail)
 
 
 def failures_from(
-    strategy: Any, rows: Sequence[Sequence[int]], failure: BaseException | None, detail: Any = None
+    strategy: Any, reduced: Sequence[int], failure: BaseException | None, detail: Any = None
 ) -> Failures:
-    """:func:`agree_on_failure` from rows already gathered (each rank's failure flag first, then its values), for a
-    flag that rode in another collective: only on a failure, one broadcast of the first failing rank's error."""
-    failed = tuple(rank for rank, row in enumerate(rows) if row[0])
-    extra = tuple(tuple(row[1:]) for row in rows)
+    """:func:`agree_on_failure` from its words already reduced (:func:`failure_words`, riding in another collective):
+    only on a failure, one broadcast of the first failing rank's error."""
+    _, world_size = rank_and_world(strategy)
+    failed = FAILING_RANKS.ranks(reduced[: FAILING_RANKS.slots], world_size)
+    extra = tuple(int(value) for value in reduced[FAILING_RANKS.slots :])
     if not failed:
         return Failures((), values=extra)
     mine = (describe_error(failure), detail) if failure is not None else None
@@ -117,13 +186,19 @@ def is_deepspeed_strategy(strategy: Any) -> bool:
 
 
 __all__ = [
+    "FAILING_RANKS",
+    "NO_VALUE",
     "Failures",
+    "RankMap",
     "agree_on_failure",
+    "all_reduce_ints",
     "barrier",
     "broadcast_value",
     "describe_error",
+    "failure_words",
     "failures_from",
-    "gather_ints",
+    "rank_and_world",
+    "reduce_ints",
     "is_deepspeed_strategy",
     "is_multiprocess",
     "is_rank_zero",

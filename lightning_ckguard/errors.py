@@ -38,10 +38,11 @@ def rejection_text(
     parameters: Sequence[str],
     skipped_steps: int,
     non_finite_state: Sequence[tuple[int, str]] = (),
+    unnamed_ranks: int = 0,
 ) -> str:
     """The sentence every rank raises and rank zero warns with for a rejected boundary."""
-    rank_word = "rank" if len(ranks) == 1 else "ranks"
-    rank_list = ", ".join(str(r) for r in ranks)
+    rank_word = "rank" if len(ranks) + unnamed_ranks == 1 else "ranks"
+    rank_list = ", ".join(str(r) for r in ranks) + (f" and {unnamed_ranks} more" if unnamed_ranks else "")
     causes: list[str] = []
     skipped_named = False
     if num_steps > 0:
@@ -111,6 +112,9 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         non_finite_state: ``(rank, tensor name)`` of each non-finite tensor in the state about to be written (e.g.
             ``(1, "buffer bn.running_var")``, ``(1, "optimizer: fp32 master partition of group 0")``); such a
             tensor rejects the boundary whatever the gradients were.
+        unnamed_ranks: Ranks the rejection is attributed to beyond those in ``ranks``: a rejection names up to 16
+            ranks (all of them up to 16 ranks; beyond, the lowest of each sixteenth of the ranks), and counts the
+            rest. In :meth:`fields` only when there are some.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         skipped_steps: int = 0,
         pending_rejection: bool = False,
         non_finite_state: Sequence[tuple[int, str] | Sequence[Any]] = (),
+        unnamed_ranks: int = 0,
     ) -> None:
         self.ranks: tuple[int, ...] = tuple(sorted(ranks))
         self.first_step = first_step
@@ -135,6 +140,7 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         self.skipped_steps = skipped_steps
         self.pending_rejection = pending_rejection
         self.non_finite_state: tuple[tuple[int, str], ...] = tuple((int(r), str(n)) for r, n in non_finite_state)
+        self.unnamed_ranks = unnamed_ranks
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -152,11 +158,13 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
             "skipped_steps": self.skipped_steps,
             "pending_rejection": self.pending_rejection,
             "non_finite_state": [list(entry) for entry in self.non_finite_state],
+            # only past 16 offending ranks: up to there the fields are those of every earlier release
+            **({"unnamed_ranks": self.unnamed_ranks} if self.unnamed_ranks else {}),
         }
 
     def _key(self) -> tuple[Any, ...]:
         return (self.ranks, self.first_step, self.last_step, self.num_steps, self.global_step, self.parameters,
-                self.skipped_steps, self.pending_rejection, self.non_finite_state)
+                self.skipped_steps, self.pending_rejection, self.non_finite_state, self.unnamed_ranks)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # keyword-only constructor: rebuild from fields so the error survives pickling (spawned workers, queues)

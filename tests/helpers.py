@@ -251,16 +251,37 @@ def fit_outcome(fit: Callable[[], Any], write_errors: bool = False) -> dict[str,
     return outcome
 
 
-class CountingStrategy(SingleDeviceStrategy):
-    """A real single-device strategy that counts the agreement collectives it is asked for."""
+def count_agreements(monkeypatch: Any) -> list[int]:
+    """Count every agreement any ``GradientGuard`` runs from now on (the Trainer's strategy, single device, runs its
+    collectives as no-ops): the returned list grows by one per agreement, with its global step."""
+    from lightning_ckguard import GradientGuard
 
-    def __init__(self) -> None:
-        super().__init__(device=torch.device("cpu"))
-        self.all_gathers = 0
+    agreements: list[int] = []
+    original = GradientGuard.agree_carrying
 
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        self.all_gathers += 1
-        return super().all_gather(tensor, group, sync_grads)
+    def counted(self: Any, collective: Any, carry: Sequence[int], **kwargs: Any) -> Any:
+        agreements.append(kwargs.get("global_step", -1))
+        return original(self, collective, carry, **kwargs)
+
+    monkeypatch.setattr(GradientGuard, "agree_carrying", counted)
+    return agreements
+
+
+def reducing_with_peers(monkeypatch: Any, *calls: Sequence[Sequence[int]]) -> list[str]:
+    """Stands in for ``torch.distributed.all_reduce`` in one process: call ``i`` reduces this rank's words with what
+    the peers send to it (``calls[i]``, one list per peer), with MAX or SUM as asked, as every rank would. Returns
+    the operations asked for, in order."""
+    queue, ops = list(calls), []
+
+    def all_reduce(tensor: Tensor, op: Any = None, group: Any = None) -> None:
+        peers = [torch.tensor(words, dtype=tensor.dtype) for words in queue.pop(0)]
+        stacked = torch.stack([tensor, *peers])
+        name = "max" if op == torch.distributed.ReduceOp.MAX else "sum"
+        tensor.copy_(stacked.amax(0) if name == "max" else stacked.sum(0))
+        ops.append(name)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    return ops
 
 
 class DirectoryCheckpointStrategy(SingleDeviceStrategy):

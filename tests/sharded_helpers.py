@@ -138,15 +138,15 @@ def count_collections(strategy: Any, counts: Counter) -> None:
 
 
 def verdict_fields(verdict: Any) -> dict[str, Any]:
-    """A verdict as plain values, with what each rank reported (how many of its parameters were non-finite)."""
+    """A verdict as plain values, with what each rank it names reported (how many of its parameters were
+    non-finite; a rejection names the offending ranks only)."""
     return {
         "accepted": verdict.accepted,
         "global_step": verdict.global_step,
         "ranks": list(verdict.ranks),
         "skipped_steps": verdict.skipped_steps,
         "parameters": list(verdict.parameters),
-        "non_finite_parameters_per_rank": [r.num_parameters for r in verdict.reports],
-        "skipped_per_rank": [r.skipped_steps for r in verdict.reports],
+        "non_finite_parameters_by_named_rank": {str(r.rank): r.num_parameters for r in verdict.reports},
     }
 
 

@@ -1,21 +1,25 @@
-"""Agreement: one collective per boundary, and the verdict every rank derives from it.
+"""Agreement: one fixed-size collective per accepted boundary, and the verdict every rank derives from it.
 
-Each rank contributes a small integer summary of its window. One ``all_gather`` gives every rank every summary, so
-every rank reaches the same verdict from the same data: no rank ever decides alone. The verdict is a pure function
-of the gathered summaries (:func:`evaluate_reports`), mirroring how Lightning's ``EarlyStopping`` separates the
-decision from the hook that applies it.
+Each rank reads its own report (its window's summary and the state check's part) and casts a :func:`ballot`: a few
+integers reduced with MAX over every rank (a MIN sent negated) into a :class:`Tally`, in one all-reduce whose bytes
+do not grow with the world size. The tally holds all an accepted verdict needs, and which ranks to name if it
+rejects: only then a second all-reduce, the :func:`roll_call` (summed, bounded: one slot per named rank), brings
+those ranks' whole reports (steps, parameters, state tensors) and counts the rest. Every rank reaches the same
+verdict from the same reduced words with a pure function (:func:`reach_verdict`): no rank ever decides alone,
+mirroring how Lightning's ``EarlyStopping`` separates the decision from the hook that applies it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_ckguard._distributed import NO_VALUE, RankMap
 from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.record import window as w
@@ -80,23 +84,116 @@ class RankReport:
         return self.non_finite_state > 0 or self.rejects_gradients(count_skipped_steps)
 
 
-def evaluate_reports(reports: Sequence[RankReport], count_skipped_steps: bool) -> tuple[bool, str]:
-    """Decide a boundary from every rank's report. Returns ``(accepted, reason)``; pure and deterministic."""
-    state = [r.rank for r in reports if r.non_finite_state]
-    if state:
-        return False, f"non-finite state to be written on rank(s) {state}"
-    rejecting = [r.rank for r in reports if r.rejects(count_skipped_steps)]
-    if rejecting:
-        return False, f"non-finite gradients recorded on rank(s) {rejecting}"
-    skipped = max((r.skipped_steps for r in reports), default=0)
-    if skipped:
-        return True, f"finite; {skipped} step(s) skipped by the loss scaler or DeepSpeed were never applied"
-    return True, "finite"
+#: Up to how many offending ranks a rejection names (every one of them, up to this world size); the rest are counted.
+NAMED_RANKS = RankMap(16)
+
+# Layout of the tally: fields reduced with MAX (the first step, a MIN, is sent negated), then the named ranks.
+REJECTS_GRADIENTS, NON_FINITE_STATE, COUNTED_STEPS, FIRST_STEP, LAST_STEP, SKIPPED_STEPS, PENDING = range(7)
+TALLY_HEADER = 7
+#: int64 words every rank sends, and receives, on an accepted boundary (before what rides along), at any world size.
+TALLY_SIZE = TALLY_HEADER + NAMED_RANKS.slots
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What every rank's ballot (:func:`ballot`) reduced to: all a verdict needs when nothing is wrong, and which
+    ranks to name when something is.
+
+    Attributes:
+        rejects_gradients: Some rank's window rejects (non-finite steps that count, or a pending rejection).
+        non_finite_state: Some rank's state to be written is not finite.
+        counted_steps: The largest count of counted non-finite steps any rank saw.
+        first_step: The first counted non-finite step on any rank, ``-1`` if none.
+        last_step: The last counted non-finite step on any rank, ``-1`` if none.
+        skipped_steps: The largest count of steps a loss scaler skipped on any rank.
+        pending_rejection: Some rank still holds the weights of a rejected boundary.
+        named_ranks: The offending ranks a rejection names (:data:`NAMED_RANKS`), rejecting gradients first.
+    """
+
+    rejects_gradients: bool = False
+    non_finite_state: bool = False
+    counted_steps: int = 0
+    first_step: int = -1
+    last_step: int = -1
+    skipped_steps: int = 0
+    pending_rejection: bool = False
+    named_ranks: tuple[int, ...] = ()
+
+    @classmethod
+    def from_words(cls, words: Sequence[int], world_size: int) -> Tally:
+        """Read the reduced ballots (``TALLY_SIZE`` words)."""
+        return cls(
+            rejects_gradients=bool(words[REJECTS_GRADIENTS]),
+            non_finite_state=bool(words[NON_FINITE_STATE]),
+            counted_steps=int(words[COUNTED_STEPS]),
+            first_step=-int(words[FIRST_STEP]) if words[FIRST_STEP] != NO_VALUE else -1,
+            last_step=int(words[LAST_STEP]),
+            skipped_steps=int(words[SKIPPED_STEPS]),
+            pending_rejection=bool(words[PENDING]),
+            named_ranks=NAMED_RANKS.ranks(words[TALLY_HEADER:TALLY_SIZE], world_size),
+        )
+
+    @property
+    def rejects(self) -> bool:
+        """Whether the boundary is rejected."""
+        return self.rejects_gradients or self.non_finite_state
+
+
+def ballot(report: RankReport, world_size: int, count_skipped_steps: bool) -> list[int]:
+    """This rank's ``TALLY_SIZE`` words for the tally, from its own report; every rank's are reduced with MAX."""
+    first, last = report.step_range(count_skipped_steps)
+    gradients = report.rejects_gradients(count_skipped_steps)
+    header = [int(gradients), int(report.non_finite_state > 0), report.counted_steps(count_skipped_steps),
+              -first if first >= 0 else NO_VALUE, last, report.skipped_steps, int(report.pending_rejection)]
+    named = NAMED_RANKS.words(report.rank, world_size, report.rejects(count_skipped_steps), priority=int(gradients))
+    return header + named
+
+
+#: Layout of the roll call: the number of ranks rejecting on their gradients and of ranks with non-finite state
+#: (summed), then one summary per named rank, in the order of ``Tally.named_ranks``.
+ROLL_HEADER = 2
+
+
+def roll_call(report: RankReport, summary: Sequence[int], tally: Tally, count_skipped_steps: bool) -> list[int]:
+    """This rank's words for the roll call of a rejected boundary, reduced with SUM: it counts itself, and a named
+    rank puts its whole ``summary`` (what it recorded: steps, parameters, state tensors) in its slot, the only one
+    there."""
+    width = len(summary)
+    words = [int(report.rejects_gradients(count_skipped_steps)), int(report.non_finite_state > 0)]
+    words += [0] * (NAMED_RANKS.slots * width)
+    if report.rank in tally.named_ranks:
+        start = ROLL_HEADER + tally.named_ranks.index(report.rank) * width
+        words[start : start + width] = summary
+    return words
+
+
+@dataclass(frozen=True)
+class RollCall:
+    """The roll call read back: the named ranks' reports, and how many ranks reject on gradients or on state."""
+
+    reports: tuple[RankReport, ...] = ()
+    rejecting_gradients: int = 0
+    non_finite_state: int = 0
+
+    @classmethod
+    def from_words(cls, words: Sequence[int], tally: Tally, width: int) -> RollCall:
+        """Read the summed roll call of ``tally``'s named ranks, each summary ``width`` words."""
+        reports = tuple(
+            RankReport.from_summary(rank, words[ROLL_HEADER + i * width : ROLL_HEADER + (i + 1) * width])
+            for i, rank in enumerate(tally.named_ranks)
+        )
+        return cls(reports, int(words[0]), int(words[1]))
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of one boundary's agreement; identical on every rank."""
+    """The outcome of one boundary's agreement; identical on every rank.
+
+    ``reports`` are the reports of the ranks a rejection names (none when accepted): every offending rank up to
+    16 ranks, beyond that the lowest offending rank of each sixteenth of the ranks (those rejecting on their
+    gradients first); ``unnamed_ranks`` counts the ranks the rejection is attributed to that are not named. The
+    steps and counts come from every rank (``tally``).
+    """
 
     accepted: bool
     reason: str
@@ -104,40 +201,40 @@ class Verdict:
     reports: tuple[RankReport, ...]
     parameter_names: tuple[str, ...]
     count_skipped_steps: bool = False
+    tally: Tally = field(default_factory=Tally)
+    unnamed_ranks: int = 0
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """The ranks the rejection is attributed to (empty when accepted): those whose window (gradient history)
-        rejects, or, when no window does, those whose state to be written is not finite."""
+        """The named ranks the rejection is attributed to (empty when accepted): those whose window (gradient
+        history) rejects, or, when no window does, those whose state to be written is not finite."""
         gradients = tuple(r.rank for r in self.reports if r.rejects_gradients(self.count_skipped_steps))
         return gradients or tuple(r.rank for r in self.reports if r.non_finite_state)
 
     @property
     def num_steps(self) -> int:
         """Largest number of counted non-finite steps any rank saw."""
-        return max((r.counted_steps(self.count_skipped_steps) for r in self.reports), default=0)
+        return self.tally.counted_steps
 
     @property
     def skipped_steps(self) -> int:
         """Largest number of loss-scaler-skipped steps any rank saw."""
-        return max((r.skipped_steps for r in self.reports), default=0)
+        return self.tally.skipped_steps
 
     @property
     def first_step(self) -> int:
         """First counted non-finite optimizer step on any rank, ``-1`` if none."""
-        firsts = [r.step_range(self.count_skipped_steps)[0] for r in self.reports]
-        valid = [s for s in firsts if s >= 0]
-        return min(valid) if valid else -1
+        return self.tally.first_step
 
     @property
     def last_step(self) -> int:
         """Last counted non-finite optimizer step on any rank, ``-1`` if none."""
-        return max((r.step_range(self.count_skipped_steps)[1] for r in self.reports), default=-1)
+        return self.tally.last_step
 
     @property
     def non_finite_state(self) -> tuple[tuple[int, str], ...]:
-        """``(rank, tensor name)`` of every non-finite state tensor about to be written, by rank; a rank with more than
-        its names could carry adds ``(rank, "N more tensor(s)")``."""
+        """``(rank, tensor name)`` of every non-finite state tensor about to be written, by named rank; a rank with
+        more than its names could carry adds ``(rank, "N more tensor(s)")``."""
         found: list[tuple[int, str]] = []
         for r in self.reports:
             found.extend((r.rank, name) for name in r.state_tensors)
@@ -147,7 +244,7 @@ class Verdict:
 
     @property
     def parameters(self) -> tuple[str, ...]:
-        """Names of offending parameters reported by the rejecting ranks, in parameter order."""
+        """Names of offending parameters reported by the named rejecting ranks, in parameter order."""
         indices = sorted({i for r in self.reports if r.rejects(self.count_skipped_steps) for i in r.parameter_indices})
         return tuple(self.parameter_names[i] if i < len(self.parameter_names) else f"<parameter {i}>" for i in indices)
 
@@ -163,8 +260,9 @@ class Verdict:
             num_steps=self.num_steps,
             skipped_steps=self.skipped_steps,
             parameters=self.parameters,
-            pending_rejection=any(r.pending_rejection for r in self.reports),
+            pending_rejection=self.tally.pending_rejection,
             non_finite_state=self.non_finite_state,
+            unnamed_ranks=self.unnamed_ranks,
         )
 
     def to_error(self) -> NonFiniteGradientError:
@@ -175,13 +273,29 @@ class Verdict:
 
 
 def reach_verdict(
-    gathered: Tensor, global_step: int, parameter_names: Sequence[str], count_skipped_steps: bool
+    tally: Tally, roll: RollCall, global_step: int, parameter_names: Sequence[str], count_skipped_steps: bool
 ) -> Verdict:
-    """Turn the gathered ``[world_size, SUMMARY_SIZE (+ STATE_SUMMARY_SIZE)]`` summaries into a verdict."""
-    rows = gathered.to("cpu").tolist()
-    reports = tuple(RankReport.from_summary(rank, row) for rank, row in enumerate(rows))
-    accepted, reason = evaluate_reports(reports, count_skipped_steps)
-    return Verdict(accepted, reason, global_step, reports, tuple(parameter_names), count_skipped_steps)
+    """The verdict of a boundary from its ``tally`` and, when it rejects, its ``roll`` call; pure and deterministic,
+    so every rank reaches the same one from the same reduced words."""
+    gradients = [r.rank for r in roll.reports if r.rejects_gradients(count_skipped_steps)]
+    state = [r.rank for r in roll.reports if r.non_finite_state]
+    unnamed_gradients, unnamed_state = roll.rejecting_gradients - len(gradients), roll.non_finite_state - len(state)
+    if tally.non_finite_state:
+        accepted, reason = False, f"non-finite state to be written on rank(s) {_listed(state, unnamed_state)}"
+    elif tally.rejects_gradients:
+        accepted, reason = False, f"non-finite gradients recorded on rank(s) {_listed(gradients, unnamed_gradients)}"
+    elif tally.skipped_steps:
+        accepted = True
+        reason = f"finite; {tally.skipped_steps} step(s) skipped by the loss scaler or DeepSpeed were never applied"
+    else:
+        accepted, reason = True, "finite"
+    unnamed = unnamed_gradients if gradients else unnamed_state
+    return Verdict(accepted, reason, global_step, roll.reports, tuple(parameter_names), count_skipped_steps, tally,
+                   max(unnamed, 0))
+
+
+def _listed(ranks: Sequence[int], unnamed: int) -> str:
+    return f"{list(ranks)}" + (f" and {unnamed} more" if unnamed > 0 else "")
 
 
 AllGather = Callable[[Tensor], Tensor]

@@ -11,7 +11,7 @@ callback's own, for now); Fabric or plain ``torch.distributed`` code can use it 
         optimizer.step()
         optimizer.zero_grad()
     state = {"model": model, "optimizer": optimizer}
-    verdict = guard.agree(fabric.strategy, state=state)  # one all_gather, same verdict on every rank
+    verdict = guard.agree(fabric.strategy, state=state)  # one all-reduce, same verdict on every rank
     if verdict.accepted:
         fabric.save(path, state)
         guard.reset()
@@ -27,7 +27,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_ckguard.agree.agreement import Verdict, all_gather_for, reach_verdict
+from lightning_ckguard._distributed import all_reduce_ints, rank_and_world
+from lightning_ckguard.agree.agreement import (
+    TALLY_SIZE,
+    RankReport,
+    RollCall,
+    Tally,
+    Verdict,
+    ballot,
+    reach_verdict,
+    roll_call,
+)
 from lightning_ckguard.record.sources import GradientSource, ParameterGradients, unwrap_module
 from lightning_ckguard.record.state_check import StateCheck
 from lightning_ckguard.record.state_sources import constant_buffers, named_state
@@ -107,27 +117,37 @@ class GradientGuard:
         tensors, or a ``CheckpointState`` (``lightning_ckguard.record.state_sources``)). Each of its local tensors is
         checked too, before the agreement, and a non-finite one rejects the boundary whatever ``count_skipped_steps``
         says; its name travels in the same collective (``verdict.non_finite_state``). Checking it reads one small
-        flag vector to the host.
+        flag vector to the host, as does reading this rank's own summary before the agreement.
         """
         verdict, _ = self.agree_carrying(collective, (), global_step=global_step, state=state)
         return verdict
 
     def agree_carrying(
         self, collective: Any | None, carry: Sequence[int], *, global_step: int | None = None, state: Any | None = None
-    ) -> tuple[Verdict, tuple[tuple[int, ...], ...]]:
-        """:meth:`agree`, with ``carry`` (a few integers, the same count on every rank) riding in the same collective:
-        another decision every rank must take together at this point (the callback's top-K vote) costs nothing more.
-        Returns the verdict and every rank's ``carry``, in rank order."""
-        summary = self.window.summary()
+    ) -> tuple[Verdict, tuple[int, ...]]:
+        """:meth:`agree`, with ``carry`` (a few integers, the same count on every rank) riding in the same collective,
+        reduced with MAX: another decision every rank must take together at this point (the callback's top-K vote)
+        costs nothing more. Returns the verdict and the largest of every rank's ``carry``, field by field.
+
+        An accepted boundary is one all-reduce of a fixed size; a rejected one adds a second, bounded, that brings
+        the reports of the ranks it names (:class:`~lightning_ckguard.agree.agreement.Verdict`)."""
         state_tensors = named_state(state, constants=self._constant_buffers) if state is not None else None
-        checked = self._state_check.summary(state_tensors, summary.device)
-        carried = torch.tensor(list(carry), dtype=summary.dtype, device=summary.device)
-        gathered = all_gather_for(collective)(torch.cat([summary, checked, carried]))
-        on_host = gathered.to("cpu")  # the one read to the host: the verdict's rows and the carried ones
-        width = on_host.shape[-1] - len(carry)
+        window = self.window.summary()
+        device = window.device
+        summary: list[int] = torch.cat([window, self._state_check.summary(state_tensors, device)]).tolist()
+        rank, world_size = rank_and_world(collective)
+        own = RankReport.from_summary(rank, summary)
+        words = [*ballot(own, world_size, self.count_skipped_steps), *carry]
+        reduced = all_reduce_ints(collective, torch.tensor(words, dtype=torch.int64, device=device)).tolist()
+        tally = Tally.from_words(reduced[:TALLY_SIZE], world_size)
+        roll = RollCall()
+        if tally.rejects:  # only now, the names: every rank took the same branch from the same tally
+            called = roll_call(own, summary, tally, self.count_skipped_steps)
+            named = all_reduce_ints(collective, torch.tensor(called, dtype=torch.int64, device=device), op="sum")
+            roll = RollCall.from_words(named.tolist(), tally, len(summary))
         step = self._steps_seen if global_step is None else global_step
-        verdict = reach_verdict(on_host[..., :width], step, self.source.parameter_names, self.count_skipped_steps)
-        return verdict, tuple(tuple(row) for row in on_host[..., width:].tolist())
+        verdict = reach_verdict(tally, roll, step, self.source.parameter_names, self.count_skipped_steps)
+        return verdict, tuple(int(value) for value in reduced[TALLY_SIZE:])
 
     def note_constant_buffers(self, module: nn.Module) -> frozenset[str]:
         """Leave ``module``'s buffers that hold non-finite values now (an attention mask filled with ``-inf``) out of

@@ -15,7 +15,7 @@ from lightning_ckguard.errors import NonFiniteGradientError
 # what a report passes on to the error
 _ERROR_FIELDS = (
     "global_step", "ranks", "first_step", "last_step", "num_steps", "skipped_steps", "parameters", "pending_rejection",
-    "non_finite_state",
+    "non_finite_state", "unnamed_ranks",
 )
 
 
@@ -36,6 +36,7 @@ class BoundaryReport:
         pending_rejection: Rejected because an earlier boundary was, and no optimizer step has run since.
         non_finite_state: ``(rank, tensor name)`` of each non-finite tensor in the state about to be written
             (parameters, buffers, optimizer state, averaged weights); such a tensor rejects the boundary by itself.
+        unnamed_ranks: Ranks the rejection is attributed to beyond those in ``ranks`` (a rejection names up to 16).
     """
 
     boundary: str
@@ -49,6 +50,7 @@ class BoundaryReport:
     parameters: tuple[str, ...] = ()
     pending_rejection: bool = False
     non_finite_state: tuple[tuple[int, str], ...] = ()
+    unnamed_ranks: int = 0
 
     @property
     def message(self) -> str:

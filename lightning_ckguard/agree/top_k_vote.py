@@ -5,8 +5,8 @@ branching on whether the monitored key was logged. A rank whose metrics lack it 
 rank_zero_only=True)``, a metric logged under a condition) defers, warns or raises on its own, while its peers go
 on to the vote or to the save's barrier and wait there: a hang until the process-group timeout, or a collective
 matched with the wrong partner. Here each rank first decides locally, without a collective
-(:func:`local_top_k_decision`), then every rank joins the same single ``all_gather`` (:func:`agree_on_top_k`),
-key or no key, and all of them act on the same :class:`TopKVote`.
+(:func:`local_top_k_decision`), then every rank joins the same single all-reduce (:func:`agree_on_top_k`, or the
+agreement's, which the vote rides in), key or no key, and all of them act on the same :class:`TopKVote`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ckguard._distributed import gather_ints
+from lightning_ckguard._distributed import RankMap, rank_and_world, reduce_ints
+
+#: Up to how many ranks lacking the monitored key a vote names (every one of them, up to this world size).
+MISSING_RANKS = RankMap(8)
+# Layout of a rank's vote, reduced with MAX: does some rank lack the key, decline, have the key; then who lacks it.
+_MISSING, _DECLINES, _PRESENT = range(3)
 
 
 @dataclass(frozen=True)
@@ -27,11 +32,14 @@ class TopKVote:
 
     Attributes:
         improves: Every rank's value makes the top K (``ModelCheckpoint``'s unanimous decision).
-        missing_ranks: The ranks whose logged metrics lack the monitored key; when not empty, nothing is saved.
+        missing_ranks: The ranks whose logged metrics lack the monitored key (beyond 8 ranks, the lowest of each
+            eighth of the ranks); when not empty, nothing is saved.
+        missing_everywhere: No rank logged the monitored key.
     """
 
     improves: bool
     missing_ranks: tuple[int, ...] = ()
+    missing_everywhere: bool = False
 
 
 def local_top_k_decision(
@@ -58,21 +66,23 @@ def local_top_k_decision(
 
 
 def agree_on_top_k(strategy: Any, present: bool, improves: bool) -> TopKVote:
-    """Every rank's ``(present, improves)`` in one ``all_gather`` through ``strategy`` (its process group and
-    timeout); the same :class:`TopKVote` on every rank. Without peers, no collective."""
-    return vote_of(gather_ints(strategy, local_vote(present, improves)))
+    """Every rank's ``(present, improves)`` in one all-reduce through ``strategy``'s process group (its timeout); the
+    same :class:`TopKVote` on every rank. Without peers, no collective."""
+    return vote_of(reduce_ints(strategy, local_vote(strategy, present, improves)), rank_and_world(strategy)[1])
 
 
-def local_vote(present: bool, improves: bool) -> list[int]:
-    """This rank's part of the vote, as the integers every rank sends."""
-    return [int(present), int(improves)]
+def local_vote(collective: Any, present: bool, improves: bool) -> list[int]:
+    """This rank's part of the vote over ``collective``, as the integers every rank sends (reduced with MAX)."""
+    rank, world_size = rank_and_world(collective)
+    return [int(not present), int(not improves), int(present), *MISSING_RANKS.words(rank, world_size, not present)]
 
 
-def vote_of(votes: Sequence[Sequence[int]]) -> TopKVote:
-    """The vote from every rank's :func:`local_vote`, in rank order (gathered here or carried in another collective).
-    Pure: the same :class:`TopKVote` on every rank."""
-    missing = tuple(rank for rank, (has_key, _) in enumerate(votes) if not has_key)
-    return TopKVote(improves=not missing and all(vote for _, vote in votes), missing_ranks=missing)
+def vote_of(reduced: Sequence[int], world_size: int) -> TopKVote:
+    """The vote from every rank's :func:`local_vote`, reduced (here or carried in another collective). Pure: the
+    same :class:`TopKVote` on every rank."""
+    missing = MISSING_RANKS.ranks(reduced[_PRESENT + 1 :], world_size)
+    improves = not reduced[_MISSING] and not reduced[_DECLINES]
+    return TopKVote(improves=improves, missing_ranks=missing, missing_everywhere=not reduced[_PRESENT])
 
 
-__all__ = ["TopKVote", "agree_on_top_k", "local_top_k_decision", "local_vote", "vote_of"]
+__all__ = ["MISSING_RANKS", "TopKVote", "agree_on_top_k", "local_top_k_decision", "local_vote", "vote_of"]

@@ -82,7 +82,7 @@ class GuardedFit:
         self.decisions: Decisions = checkpoint._decisions
         self.guard: GradientGuard | None = None
         self.vote: TopKVote | None = None  # this boundary's top-K vote, when it took one
-        self._collected: tuple[Verdict, list[list[int]]] | None = None  # agreed with the vote, not yet applied
+        self._collected: tuple[Verdict, Sequence[int]] | None = None  # agreed with the vote, not yet applied
 
     @property
     def rewind_log(self) -> RewindLog | None:
@@ -170,14 +170,14 @@ class GuardedFit:
                                         checkpoint.save_top_k, checkpoint.mode)
         if own_transaction(checkpoint) is not None and is_multiprocess(self.trainer.strategy):
             # without peers the vote is no collective: the agreement waits for a write, so as not to read state
-            vote = local_vote(current is not None, improves)
-            verdict, rows = self._collect(vote)
-            self._collected = (verdict, [row[len(vote):] for row in rows])  # the writer's report follows the vote
-            self.vote = vote_of([row[:len(vote)] for row in rows])
+            vote = local_vote(self.trainer.strategy, current is not None, improves)
+            verdict, carried = self._collect(vote)
+            self._collected = (verdict, carried[len(vote):])  # the writer's report follows the vote
+            self.vote = vote_of(carried[:len(vote)], self.trainer.world_size)
         else:
             self.vote = agree_on_top_k(self.trainer.strategy, present=current is not None, improves=improves)
         missing = self.vote.missing_ranks
-        if missing and len(missing) < self.trainer.world_size:
+        if missing and not self.vote.missing_everywhere:
             _warnings.warn(
                 f"`FiniteGradCheckpoint(monitor={checkpoint.monitor!r})`: the monitored key is missing from the "
                 f"logged metrics of rank(s) {list(missing)} at global step {self.trainer.global_step}, so every rank "
@@ -205,9 +205,9 @@ class GuardedFit:
     def _agree_at_boundary(self, boundary: str) -> bool:
         """The agreement at a boundary's first file operation (collected with the top-K vote, or now); an earlier
         write that failed on some rank raises here on every rank, the ledger back to what was published."""
-        verdict, rows = self._collected if self._collected is not None else self._collect([])
+        verdict, carried = self._collected if self._collected is not None else self._collect([])
         self._apply_verdict(verdict, boundary)
-        failure = self.writer.settle(self.trainer.strategy, rows)
+        failure = self.writer.settle(self.trainer.strategy, carried)
         if failure is not None:
             transaction = own_transaction(self.checkpoint)
             if failure.published is not None and transaction is not None:
@@ -215,16 +215,15 @@ class GuardedFit:
             raise failure.error
         return verdict.accepted
 
-    def _collect(self, vote: Sequence[int]) -> tuple[Verdict, list[list[int]]]:
+    def _collect(self, vote: Sequence[int]) -> tuple[Verdict, tuple[int, ...]]:
         """Every rank joins the agreement (one collective: the vote and the writer's report ride in it); returns the
-        verdict and every rank's carried integers, nothing applied yet."""
+        verdict and the carried integers, reduced, nothing applied yet."""
         if self.guard is None:  # not fitting: nothing was recorded, but every rank still meets here
             self.guard = self._new_guard()
         trainer = self.trainer
         state = lightning_checkpoint_state(trainer)  # what this write will hold, checked in the same agreement
-        verdict, carried = self.guard.agree_carrying(trainer.strategy, [*vote, *self.writer.report()],
-                                                     global_step=trainer.global_step, state=state)
-        return verdict, [list(row) for row in carried]
+        return self.guard.agree_carrying(trainer.strategy, [*vote, *self.writer.report()],
+                                         global_step=trainer.global_step, state=state)
 
     def _agree(self, boundary: str) -> Verdict:
         # the writer's report rides along unread: an earlier write's failure surfaces at the next boundary

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_ckguard._distributed import failures_from
+from lightning_ckguard._distributed import NO_VALUE, failure_words, failures_from
 from lightning_ckguard.publish.durability import Durability
 from lightning_ckguard.publish.ledger import Ledger
 from lightning_ckguard.publish.seal import write_error
@@ -308,28 +308,32 @@ class BackgroundPublisher:
             future.result()
         self._futures = []
 
-    def report(self) -> list[int]:
-        """This rank's part of the next agreement: whether a unit failed, the first unit it did not publish, and the
-        last unit it published (three integers, every rank alike). Units still running are not waited for."""
+    def report(self, collective: Any) -> list[int]:
+        """This rank's part of the next agreement over ``collective``: which rank failed, the first unit it did not
+        publish, and the last unit it published (both reduced with MIN, so sent negated; the same count on every
+        rank). Units still running are not waited for."""
         with self._lock:
             failure, published_through = self._failure, self._published_through
-        return [int(failure is not None), failure.first_unpublished if failure is not None else -1, published_through]
+        first_unpublished = -failure.first_unpublished if failure is not None else NO_VALUE
+        return failure_words(collective, failure.error if failure is not None else None,
+                             [first_unpublished, -published_through])
 
-    def settle(self, strategy: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
-        """Whether a unit failed on any rank, from every rank's :meth:`report` (gathered in the agreement, or at the end
+    def settle(self, strategy: Any, reduced: Sequence[int]) -> WriteFailure | None:
+        """Whether a unit failed on any rank, from every rank's :meth:`report` reduced (in the agreement, or at the end
         of training); only on a failure, one broadcast of its description. The same answer on every rank.
 
         After a failure the publisher starts afresh: the failed and the abandoned units are forgotten.
         """
         with self._lock:
             failure = self._failure
-        found = failures_from(strategy, rows, failure.error if failure is not None else None,
+        found = failures_from(strategy, reduced, failure.error if failure is not None else None,
                               failure.path if failure is not None else None)
-        for sequence in [s for s in self._ledgers if s <= min(through for _, through in found.values)]:
+        first_unpublished, published_everywhere = -found.values[0], -found.values[1]
+        for sequence in [s for s in self._ledgers if s <= published_everywhere]:
             del self._ledgers[sequence]  # published on every rank
         if not found.ranks:
             return None
-        published = self._ledgers.get(found.values[found.ranks[0]][0])
+        published = self._ledgers.get(first_unpublished)  # the earliest any failing rank did not publish
         self.wait()  # the abandoned units return at once
         with self._lock:
             self._failure = None

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from lightning_ckguard._distributed import barrier, failures_from, gather_ints, is_rank_zero
+from lightning_ckguard._distributed import barrier, failure_words, failures_from, is_rank_zero, reduce_ints
 from lightning_ckguard.publish.background import BackgroundPublisher, PluginWrites, PublicationUnit, WriteFailure
 from lightning_ckguard.publish.durability import Durability
 from lightning_ckguard.publish.ledger import Ledger
@@ -66,10 +66,10 @@ class Writer(Protocol):
         """The boundary's hook returned (``published``) or failed: on a failure, remove what it ``created``."""
 
     def report(self) -> list[int]:
-        """This rank's integers for the next agreement (the same count on every rank)."""
+        """This rank's integers for the next agreement (the same count on every rank), reduced with MAX there."""
 
-    def settle(self, collective: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
-        """Every rank's :meth:`report`, gathered: the failure every rank raises, or None."""
+    def settle(self, collective: Any, reduced: Sequence[int]) -> WriteFailure | None:
+        """Every rank's :meth:`report`, reduced: the failure every rank raises, or None."""
 
     def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
         """The end of the fit: wait for every write; agreed on every rank, or during an exception this rank's own."""
@@ -115,7 +115,7 @@ class _EvictsAtTheEnd:
     def report(self) -> list[int]:
         return []
 
-    def settle(self, collective: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
+    def settle(self, collective: Any, reduced: Sequence[int]) -> WriteFailure | None:
         return None
 
     def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
@@ -150,11 +150,11 @@ class _HoldsFailures(_EvictsAtTheEnd):
         super().close(published, created, remove)
 
     def report(self) -> list[int]:
-        return [int(self._held is not None)]
+        return failure_words(self._collective, self._held.error if self._held is not None else None)
 
-    def settle(self, collective: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
+    def settle(self, collective: Any, reduced: Sequence[int]) -> WriteFailure | None:
         held, self._held = self._held, None
-        found = failures_from(collective, rows, held.error if held else None, held.path if held else None)
+        found = failures_from(collective, reduced, held.error if held else None, held.path if held else None)
         published, self._unconfirmed = self._unconfirmed, None
         error = write_error(found, held.error if held else None, found.detail)
         return WriteFailure(error, published) if error is not None else None
@@ -163,7 +163,7 @@ class _HoldsFailures(_EvictsAtTheEnd):
         if during_exception:  # no collective is safe: this rank's own failure only
             held, self._held = self._held, None
             return WriteFailure(held.error, self._unconfirmed) if held is not None else None
-        return self.settle(collective, gather_ints(collective, self.report()))
+        return self.settle(collective, reduce_ints(collective, self.report()))
 
     def _in_place(self, filepath: str, staging: str, put: Callable[[], None]) -> None:
         """Rank 0 puts ``staging`` in place as ``filepath`` (``put``); a failure is held, and undoes the boundary."""
@@ -281,17 +281,17 @@ class BackgroundWriter:
             self._publisher.submit(unit)  # queued behind the boundaries accepted before it
 
     def report(self) -> list[int]:
-        return self._publisher.report()
+        return self._publisher.report(self._collective)
 
-    def settle(self, collective: Any, rows: Sequence[Sequence[int]]) -> WriteFailure | None:
-        return self._publisher.settle(collective, rows)
+    def settle(self, collective: Any, reduced: Sequence[int]) -> WriteFailure | None:
+        return self._publisher.settle(collective, reduced)
 
     def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
         self._publisher.wait()
         try:
             if during_exception:
                 return self._publisher.local_failure()
-            return self._publisher.settle(collective, gather_ints(collective, self.report()))
+            return self._publisher.settle(collective, reduce_ints(collective, self.report()))
         finally:
             self._publisher.close()
 

@@ -1,7 +1,7 @@
 """``agree_on_failure``: every rank learns which ranks failed and the first one's error, from the same collectives.
 
-One rank's view of a 2-rank world, with the collectives answered by a stand-in that holds what the peers send (the
-real 2-process paths run in ``test_ddp.py``, ``test_rewind.py`` and ``test_publication_readers.py``).
+One rank's view of a 2-rank world, with the all-reduce answered by a stand-in that holds what the peer sends (the real
+2-process paths run in ``test_ddp.py``, ``test_rewind.py`` and ``test_publication_readers.py``).
 """
 
 from __future__ import annotations
@@ -10,49 +10,60 @@ from typing import Any
 
 import torch
 
-from lightning_ckguard._distributed import agree_on_failure
+from helpers import reducing_with_peers
+from lightning_ckguard._distributed import FAILING_RANKS, RankMap, agree_on_failure, failure_words
 
 
-class TwoRankView:
-    """Rank ``rank`` of 2; ``peer`` is what the other rank sends to the gather, ``peer_broadcast`` its broadcast."""
+class RankView:
+    """Rank ``rank`` of ``world_size``; ``peer_broadcast`` is what a peer broadcasts."""
 
-    world_size = 2
     root_device = torch.device("cpu")
 
-    def __init__(self, rank: int, peer: list[int], peer_broadcast: Any = None) -> None:
-        self.rank, self.peer, self.peer_broadcast = rank, peer, peer_broadcast
+    def __init__(self, rank: int, world_size: int = 2, peer_broadcast: Any = None) -> None:
+        self.global_rank, self.world_size, self.peer_broadcast = rank, world_size, peer_broadcast
         self.calls: list[str] = []
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.calls.append("all_gather")
-        rows = [tensor.tolist(), self.peer] if self.rank == 0 else [self.peer, tensor.tolist()]
-        return torch.tensor(rows)
 
     def broadcast(self, value: Any, src: int = 0) -> Any:
         self.calls.append(f"broadcast from {src}")
-        return value if src == self.rank else self.peer_broadcast
+        return value if src == self.global_rank else self.peer_broadcast
 
 
-def test_no_failure_costs_one_gather_and_carries_every_ranks_values():
-    view = TwoRankView(rank=0, peer=[0, 7])
+def test_no_failure_costs_one_all_reduce_and_carries_the_largest_values(monkeypatch):
+    view = RankView(rank=0)
+    ops = reducing_with_peers(monkeypatch, [failure_words(RankView(1), None, [7])])
     found = agree_on_failure(view, None, values=[3])
-    assert (found.ranks, found.cause, found.values) == ((), None, ((3,), (7,)))
-    assert view.calls == ["all_gather"]
+    assert (found.ranks, found.cause, found.values) == ((), None, (7,))
+    assert ops == ["max"] and view.calls == []
 
 
-def test_the_failing_rank_and_its_peer_learn_the_same_cause_and_detail():
-    failing = TwoRankView(rank=1, peer=[0])
+def test_the_failing_rank_and_its_peer_learn_the_same_cause_and_detail(monkeypatch):
+    failing, peer = RankView(rank=1), RankView(rank=0, peer_broadcast=("OSError: No space left on device",
+                                                                         "step=4.ckpt"))
+    ops = reducing_with_peers(monkeypatch, [failure_words(peer, None)], [failure_words(failing, OSError())])
     mine = agree_on_failure(failing, OSError("No space left on device"), detail="step=4.ckpt")
-    peer = TwoRankView(rank=0, peer=[1], peer_broadcast=("OSError: No space left on device", "step=4.ckpt"))
     theirs = agree_on_failure(peer, None)
     assert mine == theirs
     assert (mine.ranks, mine.cause, mine.detail) == ((1,), "OSError: No space left on device", "step=4.ckpt")
-    assert failing.calls == peer.calls == ["all_gather", "broadcast from 1"]
+    assert failing.calls == peer.calls == ["broadcast from 1"] and ops == ["max", "max"]
 
 
-def test_without_peers_there_is_no_collective():
+def test_without_peers_there_is_no_collective(monkeypatch):
+    ops = reducing_with_peers(monkeypatch)
+
     class Single:
         world_size = 1
 
     found = agree_on_failure(Single(), RuntimeError("x"))
     assert (found.ranks, found.cause) == ((0,), "RuntimeError: x")
+    assert ops == []
+
+
+def test_a_rank_map_names_every_member_up_to_its_size_and_the_lowest_of_each_run_beyond():
+    def members(rank_map: RankMap, world_size: int, ranks: set[int]) -> tuple[int, ...]:
+        words = torch.tensor([rank_map.words(r, world_size, r in ranks) for r in range(world_size)])
+        return rank_map.ranks(words.amax(0).tolist(), world_size)
+
+    assert members(FAILING_RANKS, 8, {0, 3, 7}) == (0, 3, 7)
+    assert members(FAILING_RANKS, 1024, {5, 6, 700}) == (5, 700)  # 5 and 6 share the first eighth
+    assert members(FAILING_RANKS, 1024, set(range(1024))) == tuple(range(0, 1024, 128))
+    assert members(RankMap(4), 4, set()) == ()

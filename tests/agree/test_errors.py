@@ -21,6 +21,7 @@ def _write_failure(**overrides):
 
 ERRORS = [
     pytest.param(_rejection, id="NonFiniteGradientError"),
+    pytest.param(lambda: _rejection(unnamed_ranks=4000), id="NonFiniteGradientError-past-16-ranks"),
     pytest.param(_write_failure, id="CheckpointWriteError"),
 ]
 
@@ -45,6 +46,7 @@ def test_a_copy_equals_the_original(make, duplicate):
     (_rejection, dict(parameters=[])),
     (_rejection, dict(skipped_steps=0)),
     (_rejection, dict(pending_rejection=True)),
+    (_rejection, dict(unnamed_ranks=3)),
     (_write_failure, dict(ranks=[0, 1])),
     (_write_failure, dict(filepath="/ckpts/other.ckpt")),
     (_write_failure, dict(cause=None)),

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import reducing_with_peers
 from lightning_ckguard.agree.top_k_vote import TopKVote, agree_on_top_k, local_top_k_decision, local_vote, vote_of
 
 
@@ -42,38 +43,46 @@ def test_a_kth_path_outside_the_top_k_is_found_from_the_values_instead_of_indexe
     assert local_top_k_decision(torch.tensor(current), best, "gone.ckpt", save_top_k=2, mode=mode) is expected
 
 
-def test_without_peers_the_vote_is_the_local_decision_and_runs_no_collective():
-    def no_collective(_tensor):
-        raise AssertionError("a single process must not run a collective")
-
-    strategy = SimpleNamespace(world_size=1, global_rank=0, all_gather=no_collective)
+def test_without_peers_the_vote_is_the_local_decision_and_runs_no_collective(monkeypatch):
+    ops = reducing_with_peers(monkeypatch)  # any collective would fail: nothing is queued
+    strategy = SimpleNamespace(world_size=1, global_rank=0)
     assert agree_on_top_k(strategy, present=True, improves=True) == TopKVote(improves=True)
     assert agree_on_top_k(strategy, present=True, improves=False) == TopKVote(improves=False)
-    assert agree_on_top_k(strategy, present=False, improves=False) == TopKVote(improves=False, missing_ranks=(0,))
+    missing = TopKVote(improves=False, missing_ranks=(0,), missing_everywhere=True)
+    assert agree_on_top_k(strategy, present=False, improves=False) == missing
+    assert ops == []
 
 
-def test_with_peers_one_all_gather_decides_for_every_rank():
-    calls = []
+def _rank(rank: int, world_size: int = 3) -> SimpleNamespace:
+    return SimpleNamespace(world_size=world_size, global_rank=rank, root_device=torch.device("cpu"))
 
-    def all_gather(tensor):  # rank 1 votes no; rank 2 lacks the key
-        calls.append(tensor)
-        return torch.stack([tensor, torch.tensor([1, 0]), torch.tensor([0, 0])])
 
-    strategy = SimpleNamespace(world_size=3, global_rank=0, root_device=torch.device("cpu"), all_gather=all_gather)
-    assert agree_on_top_k(strategy, present=True, improves=True) == TopKVote(improves=False, missing_ranks=(2,))
-    assert len(calls) == 1
+def test_with_peers_one_all_reduce_decides_for_every_rank(monkeypatch):
+    # rank 1 votes no; rank 2 lacks the key
+    ops = reducing_with_peers(monkeypatch, [local_vote(_rank(1), True, False), local_vote(_rank(2), False, False)])
+    assert agree_on_top_k(_rank(0), present=True, improves=True) == TopKVote(improves=False, missing_ranks=(2,))
+    assert ops == ["max"]
 
 
 @pytest.mark.parametrize(
     ("votes", "expected"),
     [
-        ([[1, 1], [1, 1]], TopKVote(improves=True)),
-        ([[1, 1], [1, 0]], TopKVote(improves=False)),  # unanimous, as ModelCheckpoint's reduction
-        ([[1, 1], [0, 0]], TopKVote(improves=False, missing_ranks=(1,))),
+        ([(True, True), (True, True)], TopKVote(improves=True)),
+        ([(True, True), (True, False)], TopKVote(improves=False)),  # unanimous, as ModelCheckpoint's reduction
+        ([(True, True), (False, False)], TopKVote(improves=False, missing_ranks=(1,))),
+        ([(False, False), (False, False)], TopKVote(improves=False, missing_ranks=(0, 1), missing_everywhere=True)),
     ],
 )
-def test_the_vote_of_every_ranks_integers_is_the_same_wherever_they_were_gathered(votes, expected):
-    assert vote_of(votes) == expected
+def test_the_vote_of_every_ranks_integers_is_the_same_wherever_they_were_reduced(votes, expected):
+    words = torch.tensor([local_vote(_rank(rank, 2), *vote) for rank, vote in enumerate(votes)])
+    assert vote_of(words.amax(0).tolist(), 2) == expected
+
+
+def test_the_ranks_lacking_the_key_are_named_in_words_that_do_not_grow_with_the_world(monkeypatch):
+    world = 16_384
+    votes = [local_vote(_rank(rank, world), present=rank not in (5, 9000), improves=True) for rank in (5, 9000, 3)]
+    assert {len(words) for words in votes} == {len(local_vote(_rank(0, 2), True, True))}
+    assert vote_of(torch.tensor(votes).amax(0).tolist(), world).missing_ranks == (5, 9000)
 
 
 def test_the_vote_rides_in_the_agreement_and_leaves_the_verdict_as_it_was():
@@ -84,6 +93,7 @@ def test_the_vote_rides_in_the_agreement_and_leaves_the_verdict_as_it_was():
     guard = GradientGuard(model)
     guard.record()
     alone = guard.agree(None, global_step=1)
-    verdict, carried = guard.agree_carrying(None, local_vote(True, False), global_step=1)
-    assert carried == ((1, 0),)
+    vote = local_vote(None, True, False)
+    verdict, carried = guard.agree_carrying(None, vote, global_step=1)
+    assert carried == tuple(vote)
     assert verdict == alone

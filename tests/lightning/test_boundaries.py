@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from conftest import LAST_AT_EVERY_BOUNDARY
-from helpers import QUIET, CountingStrategy, FaultyModel, ledger_state, relative_paths, tree_digest
+from helpers import QUIET, FaultyModel, count_agreements, ledger_state, relative_paths, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 
 EPOCHS = dict(max_epochs=4, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0)
@@ -76,21 +76,21 @@ def test_finite_runs_match_model_checkpoint(config, tmp_path):
 
 
 @pytest.mark.parametrize("save_last", [True, "link"])
-def test_one_agreement_per_boundary_however_many_files_it_writes(save_last, tmp_path):
-    strategy = CountingStrategy()
+def test_one_agreement_per_boundary_however_many_files_it_writes(save_last, tmp_path, monkeypatch):
+    agreements = count_agreements(monkeypatch)
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=save_last)
     # every epoch improves: each validation boundary writes the top-1 file, evicts the old one and moves `last`
-    fit(callback, dict(EPOCHS, strategy=strategy), val_losses=[4.0, 3.0, 2.0, 1.0])
-    assert strategy.all_gathers == 4
+    fit(callback, dict(EPOCHS), val_losses=[4.0, 3.0, 2.0, 1.0])
+    assert len(agreements) == 4
     assert sorted(os.listdir(tmp_path)) == ["epoch=3-step=12.ckpt", "last.ckpt"]
 
 
-def test_boundaries_that_write_nothing_need_no_agreement(tmp_path):
-    strategy = CountingStrategy()
+def test_boundaries_that_write_nothing_need_no_agreement(tmp_path, monkeypatch):
+    agreements = count_agreements(monkeypatch)
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
-    fit(callback, dict(EPOCHS, strategy=strategy), val_losses=[1.0, 2.0, 3.0, 4.0])  # only epoch 0 is a top-1
+    fit(callback, dict(EPOCHS), val_losses=[1.0, 2.0, 3.0, 4.0])  # only epoch 0 is a top-1
     # Lightning 2.6 writes `last` only where a top-K file was saved; 2.5 at every validation end, each one a write
-    assert strategy.all_gathers == (4 if LAST_AT_EVERY_BOUNDARY else 1)
+    assert len(agreements) == (4 if LAST_AT_EVERY_BOUNDARY else 1)
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
 
 

@@ -1,6 +1,6 @@
 """Two-rank CPU/gloo scenarios, run by ``tests/lightning/test_ddp.py`` as ``python ddp_worker.py OUT_DIR``; also
-used by ``tests/agree/test_four_ranks.py``, which runs some of them on 4 ranks
-(``python ddp_worker.py OUT_DIR SCENARIO ...`` with ``CKGUARD_TEST_DEVICES=4``).
+used by ``tests/agree/test_four_ranks.py`` and ``tests/agree/test_eight_ranks.py``, which run some of them on 4 and
+8 ranks (``python ddp_worker.py OUT_DIR SCENARIO ...`` with ``CKGUARD_TEST_DEVICES=4`` or ``8``).
 
 Lightning's subprocess script launcher starts rank 1 by re-running this script. Every rank runs every scenario
 in order, in one process group, and writes what it observed to ``OUT_DIR/rank{N}.json``. A scenario that hangs
@@ -45,7 +45,7 @@ EMAWeightAveraging = getattr(lightning_module("callbacks"), "EMAWeightAveraging"
 FiniteGradCheckpoint = ckguard_module().FiniteGradCheckpoint
 
 warnings.filterwarnings("ignore")
-DEVICES = int(os.environ.get("CKGUARD_TEST_DEVICES", "2"))  # tests/agree/test_four_ranks.py runs a subset on 4
+DEVICES = int(os.environ.get("CKGUARD_TEST_DEVICES", "2"))  # test_four_ranks.py, test_eight_ranks.py: a subset
 torch.set_num_threads(1)
 TIMEOUT = timedelta(seconds=60)
 
