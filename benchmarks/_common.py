@@ -12,6 +12,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -123,3 +124,16 @@ def make_grads(num_tensors: int, total: int, dtype: torch.dtype = torch.float32,
         shape = (per // cols, cols) if per % cols == 0 and per >= 64 else (per,)
         grads.append(torch.randn(shape, generator=generator).to(dtype))
     return grads
+
+
+def recorded_guard(nan: bool) -> tuple[torch.nn.Module, Any]:
+    """A small model and a ``GradientGuard`` that recorded one step of it (with a NaN gradient if ``nan``)."""
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    model(torch.randn(4, 64)).sum().backward()
+    if nan:
+        model[0].weight.grad[0, 0] = float("nan")
+    guard = GradientGuard(model)
+    guard.record(step=0)
+    return model, guard

@@ -29,9 +29,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, table  # noqa: E402
+from _common import machine, recorded_guard, table  # noqa: E402
 
-from lightning_ckguard import GradientGuard  # noqa: E402
 from lightning_ckguard._distributed import failure_words  # noqa: E402
 from lightning_ckguard.agree.top_k_vote import local_vote  # noqa: E402
 from lightning_ckguard.record.state_check import STATE_SUMMARY_SIZE  # noqa: E402
@@ -81,12 +80,7 @@ def wire_bytes(name: str, size: int, world: int) -> int:
 
 def boundary(world: int, nan: bool) -> list[tuple[str, int, int]]:
     """One boundary's agreement on rank 0 of ``world``, as the callback runs it; its collectives."""
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    model(torch.randn(4, 64)).sum().backward()
-    if nan:
-        model[0].weight.grad[0, 0] = float("nan")
-    guard = GradientGuard(model)
-    guard.record(step=0)
+    model, guard = recorded_guard(nan)
     group = dist.group.WORLD
     carry = [*local_vote(group, True, True), *failure_words(group, None)]
     state = {"model": model}  # the state check runs too, and names a non-finite tensor on a rejection

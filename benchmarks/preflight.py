@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median, table  # noqa: E402
+from _common import machine, median, recorded_guard, table  # noqa: E402
 
 from lightning_ckguard import GradientGuard  # noqa: E402
 from lightning_ckguard.agree.agreement import TALLY_SIZE  # noqa: E402
@@ -64,13 +64,7 @@ def _free_port() -> int:
 
 def _guard(nan: bool) -> GradientGuard:
     """A guard that recorded one step of a small model (with a NaN gradient if ``nan``)."""
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    model(torch.randn(4, 64)).sum().backward()
-    if nan:
-        model[0].weight.grad[0, 0] = float("nan")
-    guard = GradientGuard(model)
-    guard.record(step=0)
-    return guard
+    return recorded_guard(nan)[1]
 
 
 def _worker(rank: int, world: int, port: int, iterations: int, out: str) -> None:
