@@ -118,12 +118,17 @@ def test_durable_must_be_a_bool():
         FiniteGradCheckpoint(durable="yes")  # type: ignore[arg-type]
 
 
+def durability_launch(worker_results):
+    """One launch of both 2-process scenarios (the traced fit first: rank 1 starts under the tracer during it)."""
+    return worker_results("workers/durability_worker.py", ["{out}"], timeout=300)
+
+
 @needs_strace
 @pytest.mark.multiprocess
 def test_a_directory_written_by_two_ranks_is_flushed_whole_before_its_exchange(worker_results):
     """FSDP2 distributed checkpoints: every file and directory of a staging directory flushed before it takes its
     name, the checkpoint directory flushed before anything is evicted; rank 1 is traced too."""
-    launch = worker_results("workers/durability_worker.py", ["{out}", "traced"], timeout=300)
+    launch = durability_launch(worker_results)
     result = launch.ranks[0]["traced"]
     assert result["error"] is None and launch.ranks[1]["traced"]["error"] is None
     calls = parse((launch.out / "trace.txt").read_text())
@@ -137,7 +142,7 @@ def test_a_directory_written_by_two_ranks_is_flushed_whole_before_its_exchange(w
 
 @pytest.mark.multiprocess
 def test_a_flush_failing_on_rank_1_fails_the_boundary_on_every_rank_and_rolls_back(worker_results):
-    launch = worker_results("workers/durability_worker.py", ["{out}", "flush-fails"], timeout=300)
+    launch = durability_launch(worker_results)
     rank0, rank1 = (rank["flush-fails"] for rank in launch.ranks)
     assert rank1["error"]["type"] == "OSError" and "injected flush failure" in rank1["error"]["message"]
     assert rank0["error"]["type"] == "CheckpointWriteError" and "rank 1" in rank0["error"]["message"]

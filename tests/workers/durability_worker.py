@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from durability_trace import traced  # noqa: E402
+from durability_trace import have_strace, traced  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
@@ -57,7 +57,7 @@ def run(out: str, name: str, model: ShardedFaultModel, trace: bool) -> dict[str,
     trainer = Trainer(strategy=make_strategy("fsdp2", timeout=timedelta(seconds=60)), devices=2, callbacks=[callback],
                       max_steps=8, limit_val_batches=0, **QUIET)
     rank_zero = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    with traced(os.path.join(out, "trace.txt")) if trace and rank_zero else nullcontext():
+    with traced(os.path.join(out, "trace.txt")) if trace and rank_zero and have_strace() else nullcontext():
         result = fit_outcome(lambda: trainer.fit(model), write_errors=True)
     if getattr(model, "undo", None) is not None:
         model.undo()
