@@ -36,6 +36,17 @@ def is_rank_zero(collective: Any) -> bool:
     return bool(getattr(collective, "is_global_zero", True))
 
 
+def require_collective(collective: Any) -> None:
+    """Refuse, with a ``ValueError``, what is not a Lightning/Fabric strategy, a process group's collectives, a
+    ``torch.distributed`` process group or ``None``: anything else would silently agree as a single process."""
+    if collective is None or isinstance(collective, dist.ProcessGroup) or hasattr(collective, "world_size"):
+        return
+    raise ValueError(
+        f"`collective` must be a Lightning/Fabric strategy, a torch.distributed ProcessGroup or None, "
+        f"got {type(collective).__name__}."
+    )
+
+
 def rank_and_world(collective: Any) -> tuple[int, int]:
     """``(this rank, world size)`` of ``collective``: a strategy, a process group's collectives, a
     ``torch.distributed`` process group, or ``None`` (a single process)."""
@@ -199,6 +210,7 @@ __all__ = [
     "failures_from",
     "rank_and_world",
     "reduce_ints",
+    "require_collective",
     "is_deepspeed_strategy",
     "is_multiprocess",
     "is_rank_zero",

@@ -11,13 +11,8 @@ mirroring how Lightning's ``EarlyStopping`` separates the decision from the hook
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch import Tensor
 
 from lightning_ckguard._distributed import NO_VALUE, RankMap
 from lightning_ckguard.agree.report import BoundaryReport
@@ -298,36 +293,3 @@ def _listed(ranks: Sequence[int], unnamed: int) -> str:
     return f"{list(ranks)}" + (f" and {unnamed} more" if unnamed > 0 else "")
 
 
-AllGather = Callable[[Tensor], Tensor]
-
-
-def all_gather_for(collective: Any | None) -> AllGather:
-    """Adapt what the caller has to one ``all_gather`` returning ``[world_size, ...]``.
-
-    Accepts a Lightning or Fabric strategy (its ``all_gather``, so the strategy's process group and timeout apply),
-    a ``torch.distributed`` process group, or ``None`` for a single process.
-    """
-    if collective is None:
-        return lambda tensor: tensor.unsqueeze(0)
-    if isinstance(collective, dist.ProcessGroup):
-        group = collective
-
-        def gather_group(tensor: Tensor) -> Tensor:
-            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, tensor, group=group)
-            return torch.stack(parts)
-
-        return gather_group
-    strategy_all_gather = getattr(collective, "all_gather", None)
-    if not callable(strategy_all_gather):
-        raise ValueError(
-            f"`collective` must be a Lightning/Fabric strategy, a torch.distributed ProcessGroup or None, "
-            f"got {type(collective).__name__}."
-        )
-
-    def gather_strategy(tensor: Tensor) -> Tensor:
-        gathered = strategy_all_gather(tensor)
-        # single-device strategies return the tensor unchanged
-        return gathered if gathered.dim() > tensor.dim() else gathered.unsqueeze(0)
-
-    return gather_strategy

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_ckguard._distributed import all_reduce_ints, rank_and_world
+from lightning_ckguard._distributed import all_reduce_ints, rank_and_world, require_collective
 from lightning_ckguard.agree.agreement import (
     TALLY_SIZE,
     RankReport,
@@ -131,6 +131,7 @@ class GradientGuard:
 
         An accepted boundary is one all-reduce of a fixed size; a rejected one adds a second, bounded, that brings
         the reports of the ranks it names (:class:`~lightning_ckguard.agree.agreement.Verdict`)."""
+        require_collective(collective)
         state_tensors = named_state(state, constants=self._constant_buffers) if state is not None else None
         window = self.window.summary()
         device = window.device

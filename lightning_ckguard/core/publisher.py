@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 
 from lightning_ckguard._distributed import is_rank_zero
-from lightning_ckguard.agree.agreement import Verdict, all_gather_for
+from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.durability import durability
 from lightning_ckguard.publish.seal import agree_on_write
@@ -48,16 +48,11 @@ class ProcessGroupCollectives:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
-        self._all_gather = all_gather_for(group if group is not None else dist.group.WORLD)
         self.world_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
         self.is_global_zero = self.group_rank == 0
         cuda = dist.get_backend(group) == "nccl"
         self.root_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor``, stacked in group-rank order."""
-        return self._all_gather(tensor)
 
     def broadcast(self, value: Any, src: int = 0) -> Any:
         """``value`` as group rank ``src`` has it."""

@@ -10,13 +10,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from lightning_ckguard import NonFiniteGradientError, RankReport
+from lightning_ckguard import GradientGuard, NonFiniteGradientError, RankReport
 from lightning_ckguard.agree.agreement import (
     TALLY_SIZE,
     RollCall,
     Tally,
     Verdict,
-    all_gather_for,
     ballot,
     reach_verdict,
     roll_call,
@@ -119,11 +118,14 @@ def test_error_survives_pickling_with_all_fields():
     assert isinstance(clone, RuntimeError)
 
 
-def test_single_process_gather_adds_the_world_dimension():
-    summary = torch.tensor(_row())
-    assert all_gather_for(None)(summary).shape == (1, SUMMARY_SIZE + STATE_SUMMARY_SIZE)
+def test_a_guard_agrees_alone_without_a_collective_and_refuses_what_is_not_one():
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    guard = GradientGuard(model)
+    guard.record()
+    assert guard.agree(None).accepted
     with pytest.raises(ValueError, match="collective"):
-        all_gather_for(object())
+        guard.agree(object())
 
 
 @pytest.mark.parametrize("nan", [False, True], ids=["accepted", "rejected"])
@@ -131,7 +133,6 @@ def test_a_guard_runs_one_collective_when_it_accepts_and_one_more_only_when_it_r
     from types import SimpleNamespace
 
     from helpers import reducing_with_peers
-    from lightning_ckguard import GradientGuard
     from lightning_ckguard.agree.agreement import NAMED_RANKS, ROLL_HEADER
 
     model = torch.nn.Linear(2, 1)
