@@ -55,6 +55,13 @@ def helpers_for(name: str) -> ModuleType:
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
 
 
+def rank_1_rejection(parameters: list[str]) -> dict[str, Any]:
+    """The error fields every rank raises when rank 1 alone saw a NaN in ``parameters`` at step 5, and the boundary
+    at global step 6 rejects: the fault the two-rank workers plant by default."""
+    return {"ranks": [1], "first_step": 5, "last_step": 5, "num_steps": 1, "global_step": 6, "parameters": parameters,
+            "skipped_steps": 0, "pending_rejection": False, "non_finite_state": []}
+
+
 def tree_digest(root: str | None) -> dict[str, Any]:
     """Every entry under ``root``: file content hashes, link targets, directories. Symlinks are not followed."""
     digest: dict[str, Any] = {}

@@ -19,20 +19,10 @@ import pytest
 from lightning_namespace import IDS, NAMESPACES, lightning_env
 
 from conftest import LIGHTNING_2_5, OUT, WorkerResults
-from helpers import relative_paths
+from helpers import rank_1_rejection, relative_paths
 
 OPTIMIZERS = ["ddp", "zero1"]
-EXPECTED_REJECTION = {
-    "ranks": [1],
-    "first_step": 5,
-    "last_step": 5,
-    "num_steps": 1,
-    "global_step": 6,
-    "parameters": ["layer.weight"],
-    "skipped_steps": 0,
-    "pending_rejection": False,
-    "non_finite_state": [],
-}
+EXPECTED_REJECTION = rank_1_rejection(["layer.weight"])
 
 
 # the module fixture launches with a 600 s wall-clock kill: let that, not pytest-timeout, stop a hang

@@ -19,7 +19,7 @@ import pytest
 from sharded_helpers import APPLIED_NAN_STATE, FAULT_PARAMETERS
 
 from conftest import OUT, TESTS, WorkerResults, deepspeed_missing, run_ranks
-from helpers import relative_paths
+from helpers import rank_1_rejection, relative_paths
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,17 +28,7 @@ DEEPSPEED_PARAMETERS = DEEPSPEED_KINDS  # their items are marked `deepspeed` (co
 KINDS = [*DEEPSPEED_KINDS, "fsdp2"]
 BOUNDARIES = ["periodic", "val_topk"]
 
-EXPECTED_REJECTION = {
-    "ranks": [1],
-    "first_step": 5,
-    "last_step": 5,
-    "num_steps": 1,
-    "global_step": 6,
-    "parameters": FAULT_PARAMETERS,
-    "skipped_steps": 0,
-    "pending_rejection": False,
-    "non_finite_state": [],
-}
+EXPECTED_REJECTION = rank_1_rejection(FAULT_PARAMETERS)
 # ZeRO-3 skips every step whose global gradient norm is not finite, whatever `check_grad_overflow` says: the NaN step
 # is never applied, and (with count_skipped_steps=True) the skip is what rejects. Every rank skipped it, so every rank
 # is listed; the parameters still come from the partition that held the NaN (rank 1's).

@@ -43,24 +43,24 @@ def test_a_nan_on_rank_1_is_rejected_on_every_rank_the_bucket_is_unchanged_and_l
 def test_an_upload_the_server_refuses_raises_on_every_rank_and_keeps_the_evicted_checkpoint(ranks):
     errors = [results["refused-upload"]["error"] for results in ranks]
     assert errors[0]["type"] == "OSError" and "smaller than the minimum allowed" in errors[0]["message"], errors[0]
-    assert errors[1]["type"] == "CheckpointWriteError" and "failed on rank 0" in errors[1]["message"], errors[1]
-    for rank, results in enumerate(ranks):
-        result = results["refused-upload"]
-        assert result["global_step"] == 6, f"rank {rank}"
-        assert result["state"] == result["before"]["state"], f"rank {rank}: the ledger did not roll back"
-    result = ranks[0]["refused-upload"]
-    assert set(result["bucket"]) == {"epoch=0-step=4.ckpt", "last.ckpt"}  # step 6's save would have evicted step 4's
-    assert result["bucket"] == result["before"]["bucket"]
+    assert_rolled_back_on_every_rank_keeping_the_evicted_checkpoint(ranks, "refused-upload")
 
 
 def test_an_upload_the_server_never_answers_raises_on_every_rank_and_keeps_the_evicted_checkpoint(ranks):
     errors = [results["server-stops-answering"]["error"] for results in ranks]
     assert "unexpected" not in errors[0] and "timeout" in errors[0]["message"].lower(), errors[0]
-    assert errors[1]["type"] == "CheckpointWriteError" and "failed on rank 0" in errors[1]["message"], errors[1]
+    assert_rolled_back_on_every_rank_keeping_the_evicted_checkpoint(ranks, "server-stops-answering")
+
+
+def assert_rolled_back_on_every_rank_keeping_the_evicted_checkpoint(ranks, scenario: str) -> None:
+    """Rank 0's upload at step 6 failed: rank 1 raised ``CheckpointWriteError`` naming rank 0, every rank's ledger is
+    the one before, and the bucket still holds what step 6's save would have evicted."""
+    assert ranks[1][scenario]["error"]["type"] == "CheckpointWriteError", ranks[1][scenario]["error"]
+    assert "failed on rank 0" in ranks[1][scenario]["error"]["message"], ranks[1][scenario]["error"]
     for rank, results in enumerate(ranks):
-        result = results["server-stops-answering"]
+        result = results[scenario]
         assert result["global_step"] == 6, f"rank {rank}"
         assert result["state"] == result["before"]["state"], f"rank {rank}: the ledger did not roll back"
-    result = ranks[0]["server-stops-answering"]
+    result = ranks[0][scenario]
     assert set(result["bucket"]) == {"epoch=0-step=4.ckpt", "last.ckpt"}  # step 6's save would have evicted step 4's
     assert result["bucket"] == result["before"]["bucket"]
