@@ -13,13 +13,17 @@ Public API:
   and its record of one rewind; :func:`restore_fabric_state` rewinds a Fabric loop, :func:`restore_trainer_state`
   restores a Trainer's training state in place.
 - :func:`scaler_skip_flag`: whether a ``GradScaler`` will skip the coming step, as a device tensor.
+- :class:`SpikeGate`: also reject a window whose loss or global gradient norm spiked, though finite
+  (``FiniteGradCheckpoint(spike_gate=SpikeGate())``, ``GradientGuard(..., spike_gate=...)``); :class:`Spike`: one
+  spike, as the report and the error carry it.
 """
 
 from lightning_ckguard.agree.agreement import RankReport, Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.agree.report import BoundaryReport
+from lightning_ckguard.agree.spikes import SpikeGate
 from lightning_ckguard.core.publisher import CheckpointPublisher
-from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError, Spike
 from lightning_ckguard.lightning.callback import FiniteGradCheckpoint
 from lightning_ckguard.record.skips import scaler_skip_flag
 from lightning_ckguard.record.sources import GradientSource, ParameterGradients
@@ -39,6 +43,8 @@ __all__ = [
     "RankReport",
     "Rewind",
     "RewindRefusedError",
+    "Spike",
+    "SpikeGate",
     "Verdict",
     "restore_fabric_state",
     "restore_trainer_state",

@@ -61,9 +61,10 @@ def rank_and_world(collective: Any) -> tuple[int, int]:
 _REDUCE_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 
 
-def all_reduce_ints(collective: Any, values: Tensor, op: str = "max") -> Tensor:
-    """``values`` (int64) reduced over every rank of ``collective`` with ``op`` (``"max"`` or ``"sum"``), in one
-    ``torch.distributed.all_reduce``; the same bytes at any world size. Without peers, ``values`` and no collective."""
+def all_reduce_values(collective: Any, values: Tensor, op: str = "max") -> Tensor:
+    """``values`` (int64 words, or a spike gate's float64 step values) reduced over every rank of ``collective`` with
+    ``op`` (``"max"`` or ``"sum"``), in place, in one ``torch.distributed.all_reduce``; the same bytes at any world
+    size. Without peers, ``values`` and no collective."""
     if isinstance(collective, dist.ProcessGroup):
         group: Any = collective
     elif not is_multiprocess(collective):
@@ -76,10 +77,10 @@ def all_reduce_ints(collective: Any, values: Tensor, op: str = "max") -> Tensor:
 
 def reduce_ints(collective: Any, values: Sequence[int]) -> list[int]:
     """The largest of every rank's ``values``, field by field (the same length on every rank), from one all-reduce
-    (:func:`all_reduce_ints`). Without peers, ``list(values)`` and no collective."""
+    (:func:`all_reduce_values`). Without peers, ``list(values)`` and no collective."""
     device = getattr(collective, "root_device", torch.device("cpu"))
     local = torch.tensor(list(values), dtype=torch.int64, device=device)
-    return all_reduce_ints(collective, local).tolist()
+    return all_reduce_values(collective, local).tolist()
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ __all__ = [
     "Failures",
     "RankMap",
     "agree_on_failure",
-    "all_reduce_ints",
+    "all_reduce_values",
     "barrier",
     "broadcast_value",
     "describe_error",

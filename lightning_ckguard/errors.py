@@ -9,8 +9,57 @@ a callback holds compares equal to its copy in a checkpoint, a queue or another 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
+
+#: The measures a spike gate watches: the loss of each optimizer step and the global gradient norm it applied.
+MEASURES = ("loss", "grad_norm")
+_MEASURE_WORDS = {"loss": "the loss", "grad_norm": "the global gradient norm"}
+#: Up to how many spikes the message spells out (every one of them stays in ``spikes``).
+_SPIKES_SPELLED_OUT = 3
+
+
+@dataclass(frozen=True)
+class Spike:
+    """A step whose loss or global gradient norm jumped far above its baseline: the same on every rank.
+
+    Attributes:
+        measure: ``"loss"`` or ``"grad_norm"``.
+        first_step: The optimizer step (``trainer.global_step`` when it ran) where it spiked.
+        last_step: The same step; in a window longer than the gate's resolution a value stands for the largest of
+            several consecutive steps, ``first_step`` to ``last_step``.
+        value: The measure at that step, over every rank (the mean loss, the norm of all gradients).
+        baseline: The median of the measure over the accepted steps before the window.
+        ratio: ``value / baseline``.
+        deviations: ``(value - baseline)`` in robust standard deviations (1.4826 times the median absolute
+            deviation of the same history).
+    """
+
+    measure: str
+    first_step: int
+    last_step: int
+    value: float
+    baseline: float
+    ratio: float
+    deviations: float
+
+    def describe(self) -> str:
+        """One clause for a person, e.g. ``the loss spiked at step 12 to 1.2e+06, 1.5e+06x its baseline of 0.81``."""
+        steps = f"step {self.first_step}" if self.first_step == self.last_step else (
+            f"steps {self.first_step} to {self.last_step}")
+        return (f"{_MEASURE_WORDS.get(self.measure, self.measure)} spiked at {steps} to {self.value:.4g}, "
+                f"{self.ratio:.3g}x its baseline of {self.baseline:.4g} ({self.deviations:.3g} deviations)")
+
+
+def _spike_cause(spikes: Sequence[Spike | Mapping[str, Any]]) -> str:
+    spelled = "; ".join(_as_spike(spike).describe() for spike in spikes[:_SPIKES_SPELLED_OUT])
+    more = len(spikes) - _SPIKES_SPELLED_OUT
+    return spelled + (f"; and {more} more spike(s)" if more > 0 else "")
+
+
+def _as_spike(spike: Spike | Mapping[str, Any]) -> Spike:
+    return spike if isinstance(spike, Spike) else Spike(**spike)
 
 
 def _steps(first_step: int, last_step: int, num_steps: int) -> str:
@@ -39,6 +88,7 @@ def rejection_text(
     skipped_steps: int,
     non_finite_state: Sequence[tuple[int, str]] = (),
     unnamed_ranks: int = 0,
+    spikes: Sequence[Spike | Mapping[str, Any]] = (),
 ) -> str:
     """The sentence every rank raises and rank zero warns with for a rejected boundary."""
     rank_word = "rank" if len(ranks) + unnamed_ranks == 1 else "ranks"
@@ -56,6 +106,8 @@ def rejection_text(
             f"{skipped_steps} optimizer step(s) with non-finite gradients were skipped by the loss scaler or "
             f"DeepSpeed on {rank_word} {rank_list} (steps {first_step} to {last_step}) and `count_skipped_steps=True`"
         )
+    elif spikes:
+        pass  # the spikes say it, below
     elif not non_finite_state:
         causes.append(
             f"the previous boundary on {rank_word} {rank_list} was rejected and no optimizer step has run since, "
@@ -63,6 +115,8 @@ def rejection_text(
         )
     if non_finite_state:  # next to the gradient history, if there is one
         causes.append(_state_cause(non_finite_state))
+    if spikes:
+        causes.append(_spike_cause(spikes))
     text = f"Refusing to publish a checkpoint at global step {global_step}: {'; and '.join(causes)}."
     if parameters:
         noun = "Offending parameters" if num_steps > 0 or skipped_named else "Parameters with non-finite gradients"
@@ -115,6 +169,9 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         unnamed_ranks: Ranks the rejection is attributed to beyond those in ``ranks``: a rejection names up to 16
             ranks (all of them up to 16 ranks; beyond, the lowest of each sixteenth of the ranks), and counts the
             rest. In :meth:`fields` only when there are some.
+        spikes: The steps whose loss or global gradient norm spiked (:class:`Spike`), with a spike gate on; such a
+            step rejects the boundary by itself, though every value was finite. No rank is named for it: the values
+            are global. In :meth:`fields` only when there are some.
     """
 
     def __init__(
@@ -130,6 +187,7 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         pending_rejection: bool = False,
         non_finite_state: Sequence[tuple[int, str] | Sequence[Any]] = (),
         unnamed_ranks: int = 0,
+        spikes: Sequence[Spike | Mapping[str, Any]] = (),
     ) -> None:
         self.ranks: tuple[int, ...] = tuple(sorted(ranks))
         self.first_step = first_step
@@ -141,6 +199,7 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
         self.pending_rejection = pending_rejection
         self.non_finite_state: tuple[tuple[int, str], ...] = tuple((int(r), str(n)) for r, n in non_finite_state)
         self.unnamed_ranks = unnamed_ranks
+        self.spikes: tuple[Spike, ...] = tuple(_as_spike(spike) for spike in spikes)
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -160,11 +219,12 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
             "non_finite_state": [list(entry) for entry in self.non_finite_state],
             # only past 16 offending ranks: up to there the fields are those of every earlier release
             **({"unnamed_ranks": self.unnamed_ranks} if self.unnamed_ranks else {}),
+            **({"spikes": [asdict(spike) for spike in self.spikes]} if self.spikes else {}),
         }
 
     def _key(self) -> tuple[Any, ...]:
         return (self.ranks, self.first_step, self.last_step, self.num_steps, self.global_step, self.parameters,
-                self.skipped_steps, self.pending_rejection, self.non_finite_state, self.unnamed_ranks)
+                self.skipped_steps, self.pending_rejection, self.non_finite_state, self.unnamed_ranks, self.spikes)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # keyword-only constructor: rebuild from fields so the error survives pickling (spawned workers, queues)
@@ -250,4 +310,6 @@ def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None)
     return CheckpointWriteError(ranks=ranks, filepath=filepath, cause=cause)
 
 
-__all__ = ["CheckpointWriteError", "NonFiniteGradientError", "RewindRefusedError", "rejection_text"]
+__all__ = [
+    "MEASURES", "CheckpointWriteError", "NonFiniteGradientError", "RewindRefusedError", "Spike", "rejection_text",
+]

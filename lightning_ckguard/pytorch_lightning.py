@@ -22,7 +22,8 @@ from pytorch_lightning.plugins.io import AsyncCheckpointIO
 from lightning_ckguard.agree.agreement import RankReport, Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.agree.report import BoundaryReport
-from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError
+from lightning_ckguard.agree.spikes import SpikeGate
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError, Spike
 from lightning_ckguard.lightning.callback import GuardedCheckpoint
 from lightning_ckguard.lightning.fit import link_in_boundary
 from lightning_ckguard.lightning.packages import LightningPackage
@@ -45,5 +46,7 @@ __all__ = [
     "NonFiniteGradientError",
     "RankReport",
     "RewindRefusedError",
+    "Spike",
+    "SpikeGate",
     "Verdict",
 ]

@@ -48,7 +48,8 @@ def run_ranks(script: str, args: list[str], timeout: float, env: dict | None = N
     ``workers/`` is launched through ``worker_results``, which calls this (``tests/docs/test_test_layout.py`` checks).
     """
     _require_multiprocess_marker(script)
-    full_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+    full_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+                "PYTHONFAULTHANDLER": "1"}  # a hang killed on the timeout prints every rank's Python stacks
     # a worker builds from lightning.pytorch unless its test asks otherwise (tests/lightning_namespace.py)
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "CKGUARD_TEST_LIGHTNING"):
         full_env.pop(key, None)
@@ -64,14 +65,26 @@ def run_ranks(script: str, args: list[str], timeout: float, env: dict | None = N
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_session(proc)
-        out, _ = proc.communicate()
+        out = _dump_stacks_and_kill_session(proc)
         pytest.fail(f"{script} did not finish within {timeout} s (deadlock?). Output tail:\n{out[-4000:]}")
     except BaseException:
         _kill_session(proc)
         proc.communicate()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def _dump_stacks_and_kill_session(proc: subprocess.Popen) -> str:
+    """SIGABRT the session first: each Python process's faulthandler (``PYTHONFAULTHANDLER``) prints where every
+    thread of it waits, so a deadlock's output says where it is; then SIGKILL whatever is left. Returns the output."""
+    try:
+        os.killpg(proc.pid, signal.SIGABRT)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    _kill_session(proc)  # any process the abort left, and whichever still holds the output pipe
+    out, _ = proc.communicate()  # everything printed since the launch, the stacks included
+    return out
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from lightning_ckguard._distributed import NO_VALUE, RankMap
 from lightning_ckguard.agree.report import BoundaryReport
+from lightning_ckguard.agree.spikes import SpikeCheck
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.record import window as w
 from lightning_ckguard.record.state_check import decode_state_summary
@@ -187,7 +188,8 @@ class Verdict:
     ``reports`` are the reports of the ranks a rejection names (none when accepted): every offending rank up to
     16 ranks, beyond that the lowest offending rank of each sixteenth of the ranks (those rejecting on their
     gradients first); ``unnamed_ranks`` counts the ranks the rejection is attributed to that are not named. The
-    steps and counts come from every rank (``tally``).
+    steps and counts come from every rank (``tally``). With a spike gate, ``spike_check`` holds what it found: a
+    spike rejects by itself, and names no rank (its values are global).
     """
 
     accepted: bool
@@ -198,6 +200,7 @@ class Verdict:
     count_skipped_steps: bool = False
     tally: Tally = field(default_factory=Tally)
     unnamed_ranks: int = 0
+    spike_check: SpikeCheck = field(default_factory=SpikeCheck)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -258,6 +261,8 @@ class Verdict:
             pending_rejection=self.tally.pending_rejection,
             non_finite_state=self.non_finite_state,
             unnamed_ranks=self.unnamed_ranks,
+            spikes=self.spike_check.spikes,
+            levels=self.spike_check.levels,
         )
 
     def to_error(self) -> NonFiniteGradientError:
@@ -268,10 +273,11 @@ class Verdict:
 
 
 def reach_verdict(
-    tally: Tally, roll: RollCall, global_step: int, parameter_names: Sequence[str], count_skipped_steps: bool
+    tally: Tally, roll: RollCall, global_step: int, parameter_names: Sequence[str], count_skipped_steps: bool,
+    spike_check: SpikeCheck = SpikeCheck(),  # noqa: B008  # an immutable value
 ) -> Verdict:
-    """The verdict of a boundary from its ``tally`` and, when it rejects, its ``roll`` call; pure and deterministic,
-    so every rank reaches the same one from the same reduced words."""
+    """The verdict of a boundary from its ``tally``, when it rejects its ``roll`` call, and what a spike gate found
+    (``spike_check``); pure and deterministic, so every rank reaches the same one from the same reduced words."""
     gradients = [r.rank for r in roll.reports if r.rejects_gradients(count_skipped_steps)]
     state = [r.rank for r in roll.reports if r.non_finite_state]
     unnamed_gradients, unnamed_state = roll.rejecting_gradients - len(gradients), roll.non_finite_state - len(state)
@@ -279,6 +285,8 @@ def reach_verdict(
         accepted, reason = False, f"non-finite state to be written on rank(s) {_listed(state, unnamed_state)}"
     elif tally.rejects_gradients:
         accepted, reason = False, f"non-finite gradients recorded on rank(s) {_listed(gradients, unnamed_gradients)}"
+    elif spike_check.spikes:
+        accepted, reason = False, f"{len(spike_check.spikes)} spike(s): {spike_check.spikes[0].describe()}"
     elif tally.skipped_steps:
         accepted = True
         reason = f"finite; {tally.skipped_steps} step(s) skipped by the loss scaler or DeepSpeed were never applied"
@@ -286,7 +294,7 @@ def reach_verdict(
         accepted, reason = True, "finite"
     unnamed = unnamed_gradients if gradients else unnamed_state
     return Verdict(accepted, reason, global_step, roll.reports, tuple(parameter_names), count_skipped_steps, tally,
-                   max(unnamed, 0))
+                   max(unnamed, 0), spike_check)
 
 
 def _listed(ranks: Sequence[int], unnamed: int) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_ckguard._distributed import all_reduce_ints, rank_and_world, require_collective
+from lightning_ckguard._distributed import all_reduce_values, rank_and_world, require_collective
 from lightning_ckguard.agree.agreement import (
     TALLY_SIZE,
     RankReport,
@@ -38,9 +38,11 @@ from lightning_ckguard.agree.agreement import (
     reach_verdict,
     roll_call,
 )
+from lightning_ckguard.agree.spikes import SpikeCheck, SpikeGate, SpikeHistory, StepMeasures, global_values, judge
 from lightning_ckguard.record.sources import GradientSource, ParameterGradients, unwrap_module
 from lightning_ckguard.record.state_check import StateCheck
 from lightning_ckguard.record.state_sources import constant_buffers, named_state
+from lightning_ckguard.record.step_values import StepValues
 from lightning_ckguard.record.window import NonFiniteWindow
 
 
@@ -55,6 +57,10 @@ class GradientGuard:
         count_skipped_steps: Whether steps a loss scaler skipped (never applied) reject a boundary.
         source: Where local gradients are read; defaults to ``param.grad`` of ``module``.
         device: Device of the window's state; defaults to the device of ``module``'s first parameter.
+        spike_gate: Also reject a boundary whose window holds a step whose loss or global gradient norm spiked
+            (:class:`~lightning_ckguard.SpikeGate`); off by default. Give each step's loss to :meth:`record` (or
+            :meth:`record_loss`). The gate adds one all-reduce of a fixed size per agreement, and learns its baseline
+            from the windows :meth:`reset` closes after an accepted agreement.
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class GradientGuard:
         count_skipped_steps: bool = False,
         source: GradientSource | None = None,
         device: torch.device | None = None,
+        spike_gate: SpikeGate | None = None,
     ) -> None:
         module = unwrap_module(module) if module is not None else nn.Module()
         if device is None:
@@ -71,14 +78,25 @@ class GradientGuard:
             device = first.device if first is not None else torch.device("cpu")
         self.count_skipped_steps = count_skipped_steps
         self.source: GradientSource = source if source is not None else ParameterGradients(module)
-        self.window = NonFiniteWindow(torch.device(device))
+        if spike_gate is not None and not isinstance(spike_gate, SpikeGate):
+            raise ValueError(f"`spike_gate` must be a `SpikeGate` or None, got {spike_gate!r}.")
+        self.spike_gate = spike_gate
+        self._spike_history = SpikeHistory(spike_gate) if spike_gate is not None else None
+        self._accepted_window: StepMeasures | None = None  # learned by the next reset, once published
+        step_values = StepValues(torch.device(device), spike_gate.resolution) if spike_gate is not None else None
+        self.window = NonFiniteWindow(torch.device(device), step_values)
         self._state_check = StateCheck()
         self._constant_buffers: dict[int, frozenset[str]] = {}
         self.note_constant_buffers(module)
         self._steps_seen = 0
 
     def record(
-        self, optimizer: Any | None = None, *, step: int | None = None, skipped: Tensor | bool | None = None
+        self,
+        optimizer: Any | None = None,
+        *,
+        step: int | None = None,
+        skipped: Tensor | bool | None = None,
+        loss: Tensor | float | None = None,
     ) -> None:
         """Record the gradients ``optimizer`` is about to apply (all of ``module``'s when ``None``).
 
@@ -86,18 +104,33 @@ class GradientGuard:
         labels the step in reports (defaults to a running count). ``skipped`` is True, or a 0-d tensor that is True,
         when a loss scaler will skip this step (see :func:`~lightning_ckguard.record.skips.scaler_skip_flag`). Sources
         that only learn after the step whether it was skipped (DeepSpeed) hold the step until :meth:`conclude_step`.
+        ``loss``: the step's loss (a device tensor, read on the device), for a spike gate watching the loss; with
+        gradient accumulation, give the earlier micro-batches' losses to :meth:`record_loss` first.
         """
         gradients = self.source.local_gradients(optimizer)
         if gradients is None:  # not an optimizer step (e.g. a DeepSpeed micro-batch inside accumulation)
+            if loss is not None:
+                self.record_loss(loss)
             return
         indices, grads = gradients
         label = self._steps_seen if step is None else step
         num_parameters = len(self.source.parameter_names)
+        sharded = bool(getattr(self.source, "shards_gradients", False))
         if skipped is None and getattr(self.source, "defers_skip_outcome", False):
-            self.window.record_pending(indices, grads, label, num_parameters)
+            self.window.record_pending(indices, grads, label, num_parameters, sharded)
         else:
-            self.window.record(indices, grads, label, num_parameters, skipped)
+            self.window.record(indices, grads, label, num_parameters, skipped, sharded)
         self._steps_seen += 1
+        if loss is not None:
+            self.record_loss(loss)
+
+    def record_loss(self, loss: Tensor | float) -> None:
+        """Add a loss to the step under way, for a spike gate watching the loss (nothing without one): device-side,
+        no host read. Losses given before a step is recorded (earlier micro-batches) and until the next one is
+        recorded add up to that step's; a Lightning callback gives ``training_step``'s at each batch end."""
+        if self.window.step_values is not None:
+            self.window.step_values.add_loss(loss)
+            self.window.step_values.close_step()
 
     def conclude_step(self) -> None:
         """After the optimizer step: settle a step whose skip outcome the source only knows now (DeepSpeed)."""
@@ -130,25 +163,40 @@ class GradientGuard:
         costs nothing more. Returns the verdict and the largest of every rank's ``carry``, field by field.
 
         An accepted boundary is one all-reduce of a fixed size; a rejected one adds a second, bounded, that brings
-        the reports of the ranks it names (:class:`~lightning_ckguard.agree.agreement.Verdict`)."""
+        the reports of the ranks it names (:class:`~lightning_ckguard.agree.agreement.Verdict`). A spike gate adds
+        one more, of a fixed size, before them: the sum of every rank's step values."""
         require_collective(collective)
         state_tensors = named_state(state, constants=self._constant_buffers) if state is not None else None
         window = self.window.summary()
         device = window.device
         summary: list[int] = torch.cat([window, self._state_check.summary(state_tensors, device)]).tolist()
         rank, world_size = rank_and_world(collective)
+        spike_check = self._judge_spikes(collective, world_size)
         own = RankReport.from_summary(rank, summary)
         words = [*ballot(own, world_size, self.count_skipped_steps), *carry]
-        reduced = all_reduce_ints(collective, torch.tensor(words, dtype=torch.int64, device=device)).tolist()
+        reduced = all_reduce_values(collective, torch.tensor(words, dtype=torch.int64, device=device)).tolist()
         tally = Tally.from_words(reduced[:TALLY_SIZE], world_size)
         roll = RollCall()
         if tally.rejects:  # only now, the names: every rank took the same branch from the same tally
             called = roll_call(own, summary, tally, self.count_skipped_steps)
-            named = all_reduce_ints(collective, torch.tensor(called, dtype=torch.int64, device=device), op="sum")
+            named = all_reduce_values(collective, torch.tensor(called, dtype=torch.int64, device=device), op="sum")
             roll = RollCall.from_words(named.tolist(), tally, len(summary))
         step = self._steps_seen if global_step is None else global_step
-        verdict = reach_verdict(tally, roll, step, self.source.parameter_names, self.count_skipped_steps)
+        verdict = reach_verdict(tally, roll, step, self.source.parameter_names, self.count_skipped_steps, spike_check)
+        if not verdict.accepted:
+            self._accepted_window = None
         return verdict, tuple(int(value) for value in reduced[TALLY_SIZE:])
+
+    def _judge_spikes(self, collective: Any, world_size: int) -> SpikeCheck:
+        """With a spike gate, every rank's step values summed (one all-reduce of a fixed size) and judged against
+        the accepted history: the same check on every rank. The window is kept until it is learned or dropped."""
+        values, history = self.window.step_values, self._spike_history
+        if values is None or history is None or self.spike_gate is None:
+            return SpikeCheck()
+        summed = all_reduce_values(collective, values.summary().clone(), op="sum").tolist()
+        measures = global_values(summed, values.capacity, values.labels, world_size)
+        self._accepted_window = measures  # until the verdict says otherwise
+        return judge(self.spike_gate, history, measures)
 
     def note_constant_buffers(self, module: nn.Module) -> frozenset[str]:
         """Leave ``module``'s buffers that hold non-finite values now (an attention mask filled with ``-inf``) out of
@@ -160,7 +208,13 @@ class GradientGuard:
         return names
 
     def reset(self, *, pending_rejection: bool = False) -> None:
-        """Start a fresh window. ``pending_rejection=True`` keeps rejecting until a new step is recorded."""
+        """Start a fresh window. ``pending_rejection=True`` keeps rejecting until a new step is recorded.
+
+        Call it once the checkpoint of an accepted agreement is published: a spike gate then learns that window's
+        values. A window whose agreement rejected (rewound or skipped) teaches it nothing."""
+        if self._accepted_window is not None and self._spike_history is not None and not pending_rejection:
+            self._spike_history.learn(self._accepted_window)
+        self._accepted_window = None
         self.window.reset(pending_rejection=pending_rejection)
 
     @property

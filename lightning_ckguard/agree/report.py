@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_ckguard.errors import NonFiniteGradientError
+from lightning_ckguard.agree.spikes import Level
+from lightning_ckguard.errors import NonFiniteGradientError, Spike
 
 # what a report passes on to the error
 _ERROR_FIELDS = (
     "global_step", "ranks", "first_step", "last_step", "num_steps", "skipped_steps", "parameters", "pending_rejection",
-    "non_finite_state", "unnamed_ranks",
+    "non_finite_state", "unnamed_ranks", "spikes",
 )
 
 
@@ -37,6 +38,8 @@ class BoundaryReport:
         non_finite_state: ``(rank, tensor name)`` of each non-finite tensor in the state about to be written
             (parameters, buffers, optimizer state, averaged weights); such a tensor rejects the boundary by itself.
         unnamed_ranks: Ranks the rejection is attributed to beyond those in ``ranks`` (a rejection names up to 16).
+        spikes: With a spike gate, the steps whose loss or global gradient norm spiked (they reject by themselves).
+        levels: With a spike gate, each watched measure's baseline and the window's largest value.
     """
 
     boundary: str
@@ -51,6 +54,8 @@ class BoundaryReport:
     pending_rejection: bool = False
     non_finite_state: tuple[tuple[int, str], ...] = ()
     unnamed_ranks: int = 0
+    spikes: tuple[Spike, ...] = ()
+    levels: tuple[Level, ...] = ()
 
     @property
     def message(self) -> str:
@@ -67,6 +72,18 @@ class BoundaryReport:
         if self.accepted:
             raise ValueError("An accepted boundary has no error.")
         return NonFiniteGradientError(**{name: getattr(self, name) for name in _ERROR_FIELDS})
+
+
+    def metrics(self) -> dict[str, float]:
+        """The spike gate's ``ckguard/*`` values of this boundary, as plain numbers: each watched measure's baseline
+        (from the end of the warm-up on) and the window's largest value (when it has a finite one)."""
+        values: dict[str, float] = {}
+        for level in self.levels:
+            if level.baseline is not None:
+                values[f"ckguard/{level.measure}_baseline"] = float(level.baseline)
+            if level.window_max is not None:
+                values[f"ckguard/{level.measure}_window_max"] = float(level.window_max)
+        return values
 
 
 __all__ = ["BoundaryReport"]

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.report import BoundaryReport
+from lightning_ckguard.agree.spikes import SpikeGate
 from lightning_ckguard.errors import NonFiniteGradientError
 from lightning_ckguard.lightning import packages, validation
 from lightning_ckguard.lightning.fit import (
@@ -60,11 +61,10 @@ class GuardedCheckpoint(_CheckpointBase):
             ``"raise"``: raise :class:`~lightning_ckguard.NonFiniteGradientError` (the same on every rank).
             ``"skip"``: publish nothing for this boundary, warn, and start a fresh window.
             ``"stop"``: publish nothing, set ``trainer.should_stop``; ``fit()`` returns normally.
-            ``"rewind"``: publish nothing; every rank restores, in place, the most recent checkpoint this callback
-            published in this fit (weights, optimizer, LR schedulers, loss scaler, weight averaging), starts a fresh
-            window and trains on with the next batch (:func:`~lightning_ckguard.restore_trainer_state`). Without such a
-            checkpoint, or after ``max_rewinds`` rewinds, it raises :class:`~lightning_ckguard.RewindRefusedError`
-            (a ``NonFiniteGradientError``) on every rank, naming every earlier rewind.
+            ``"rewind"``: publish nothing; every rank restores, in place, the last checkpoint this callback published
+            in this fit (weights, optimizer, LR schedulers, loss scaler, weight averaging) and trains on with the next
+            batch (:func:`~lightning_ckguard.restore_trainer_state`). Without one, or after ``max_rewinds`` rewinds,
+            it raises :class:`~lightning_ckguard.RewindRefusedError` on every rank, naming every earlier rewind.
         count_skipped_steps: Whether optimizer steps a loss scaler skipped (never applied) reject a boundary. They
             are reported either way.
         max_rewinds: With ``on_non_finite="rewind"``: how many rewinds one fit may make (default 3); a resumed fit
@@ -72,6 +72,8 @@ class GuardedCheckpoint(_CheckpointBase):
         durable: Whether a published checkpoint survives a machine crash, not only a killed process: on a local
             ``dirpath`` its data is flushed (``fsync``) before it is renamed into place, and the directory after,
             before anything is evicted. ``False`` skips the flushes (scratch storage). Object storage needs none.
+        spike_gate: Also reject a window with a step whose loss or global gradient norm spiked, though finite
+            (:class:`~lightning_ckguard.SpikeGate`), through the same ``on_non_finite`` policy. Off by default.
 
     Raises:
         ValueError: If an argument has the wrong type, ``on_non_finite`` is not a known policy, ``max_rewinds`` is
@@ -85,9 +87,8 @@ class GuardedCheckpoint(_CheckpointBase):
         checkpoint = FiniteGradCheckpoint(monitor="val_loss", save_top_k=3, save_last=True)
         trainer = Trainer(strategy="ddp", devices=2, callbacks=[checkpoint])
 
-    One implementation serves both Lightning packages: ``from lightning_ckguard import FiniteGradCheckpoint``
-    subclasses ``lightning.pytorch``'s ``ModelCheckpoint``, ``from lightning_ckguard.pytorch_lightning import
-    FiniteGradCheckpoint`` that of ``pytorch_lightning``; use the one your Trainer comes from.
+    ``lightning_ckguard.FiniteGradCheckpoint`` subclasses ``lightning.pytorch``'s ``ModelCheckpoint``,
+    ``lightning_ckguard.pytorch_lightning.FiniteGradCheckpoint`` that of ``pytorch_lightning``.
     """
 
     #: The Lightning package of the concrete class: its Trainer and checkpoint IO (its ModelCheckpoint is the next
@@ -116,12 +117,14 @@ class GuardedCheckpoint(_CheckpointBase):
         count_skipped_steps: bool = False,
         max_rewinds: int | None = None,
         durable: bool = True,
+        spike_gate: SpikeGate | None = None,
     ) -> None:
         arguments = dict(locals())
         validation.validate_arguments(arguments)
         super().__init__(**{name: arguments[name] for name in validation.MODEL_CHECKPOINT_ARGUMENTS})
         self.on_non_finite: NonFinitePolicy = on_non_finite
         self.count_skipped_steps, self.max_rewinds, self.durable = count_skipped_steps, max_rewinds, durable
+        self.spike_gate = spike_gate
         self._decisions = Decisions()
         self._fit: GuardedFit | None = None  # from setup to teardown
 
@@ -132,8 +135,8 @@ class GuardedCheckpoint(_CheckpointBase):
 
     @property
     def last_report(self) -> BoundaryReport | None:
-        """What the most recent agreement (boundary or manual save) decided, as a readable immutable value; the
-        same on every rank. ``str(report.message)`` is the line the callback warns with."""
+        """What the most recent agreement (boundary or manual save) decided, the same on every rank; its
+        ``message`` is the line the callback warns with."""
         return self._decisions.last_report
 
     @property
@@ -183,9 +186,9 @@ class GuardedCheckpoint(_CheckpointBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        """Settle the step's skip outcome (DeepSpeed), then ``ModelCheckpoint``'s hook as one guarded boundary."""
+        """Close the batch's step (DeepSpeed's skip outcome, its loss), then ``ModelCheckpoint``'s hook, guarded."""
         fit = self._fit_for(trainer)
-        fit.conclude_step()  # the optimizer has run: a strategy that skips steps (DeepSpeed) knows now
+        fit.end_batch(outputs)  # the optimizer has run: a strategy that skips steps (DeepSpeed) knows now
         fit.boundary("train batch end", partial(super().on_train_batch_end, trainer, pl_module, outputs, batch,
                                                 batch_idx))
 
@@ -215,14 +218,9 @@ class GuardedCheckpoint(_CheckpointBase):
             fit.finish(during_exception=True)
 
     def admit_save(self, trainer: pl.Trainer, filepath: str) -> bool:
-        """Gate for every checkpoint write of the Trainer (see ``PublicationSeal``).
-
-        Our own accepted boundary passes. Any other write (manual ``trainer.save_checkpoint``, other callbacks)
-        passes the same preflight agreement first; inside a running fit a rejection applies ``on_non_finite`` like
-        a boundary, outside one it raises. After a rejection every later write is refused: skipped with a warning
-        while the fit is still running or Lightning is handling an exception (so the original error surfaces and
-        the Trainer tears down), raised as the ``NonFiniteGradientError`` otherwise.
-        """
+        """Gate for every checkpoint write of the Trainer (see ``PublicationSeal``): our own accepted boundary
+        passes; any other write passes the same agreement first (:meth:`GuardedFit.admit_save
+        <lightning_ckguard.lightning.fit.GuardedFit.admit_save>` says what a rejection does)."""
         if own_transaction(self) is not None:
             return True  # our own boundary's write: its agreement was the first file operation
         if self._fit is None or self._fit.trainer is not trainer:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 from weakref import proxy
 
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+from torch import Tensor
 
 from lightning_ckguard._distributed import broadcast_value, is_multiprocess
 from lightning_ckguard.agree.agreement import Verdict
@@ -136,10 +137,16 @@ class GuardedFit:
             scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
             self.guard.record(optimizer, step=self.trainer.global_step, skipped=scaler_skip_flag(scaler, optimizer))
 
-    def conclude_step(self) -> None:
-        """After the optimizer ran: settle a step whose skip outcome the source knows only now (DeepSpeed)."""
-        if self.guard is not None:
-            self.guard.conclude_step()
+    def end_batch(self, outputs: Any) -> None:
+        """At a train batch end, before its boundary: settle a step whose skip outcome the source knows only now
+        (DeepSpeed), and with a spike gate give ``training_step``'s loss (as Lightning scaled it for accumulation)
+        to the step under way, device-side."""
+        if self.guard is None:
+            return
+        self.guard.conclude_step()
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if self.guard.spike_gate is not None and isinstance(loss, Tensor):
+            self.guard.record_loss(loss)
 
     # ------------------------------------------------------------------ boundaries
 
@@ -243,6 +250,7 @@ class GuardedFit:
             "ckguard/rejected": float(decisions.counts["rejected"]),
             "ckguard/non_finite_steps": float(report.num_steps),
             "ckguard/skipped_steps": float(report.skipped_steps),
+            **report.metrics(),
         })
         if report.accepted and report.skipped_steps:
             rank_zero_info(report.message)
@@ -361,7 +369,7 @@ class GuardedFit:
         trainer = self.trainer
         module = trainer.lightning_module  # None on a Trainer driven by hand: nothing recorded, nothing to check
         guard = GradientGuard(module, count_skipped_steps=self.checkpoint.count_skipped_steps, source=source,
-                              device=trainer.strategy.root_device)
+                              device=trainer.strategy.root_device, spike_gate=self.checkpoint.spike_gate)
         constants = sorted(guard.note_constant_buffers(module)) if module is not None else []
         for callback in getattr(trainer, "callbacks", ()):  # set by Lightning's callback connector
             averaged = averaged_weights(callback)

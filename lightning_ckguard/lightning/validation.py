@@ -8,6 +8,7 @@ import tempfile
 from datetime import timedelta
 from typing import Any
 
+from lightning_ckguard.agree.spikes import SpikeGate
 from lightning_ckguard.recover.policy import POLICIES
 
 
@@ -51,6 +52,7 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         _check_type(count, arguments[count], (int,), "an int or None", True)
     _check_type("train_time_interval", arguments["train_time_interval"], (timedelta,), "a datetime.timedelta or None",
                 True)
+    _check_type("spike_gate", arguments["spike_gate"], (SpikeGate,), "a lightning_ckguard.SpikeGate or None", True)
 
 
 def _check_rewind_arguments(arguments: dict[str, Any]) -> None:

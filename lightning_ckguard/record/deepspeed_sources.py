@@ -56,6 +56,9 @@ class DeepSpeedGradients:
     """
 
     defers_skip_outcome = True
+    #: Whether the last gradients read are this rank's partition (ZeRO-1/2/3), not the whole all-reduced gradients
+    #: every rank holds (ZeRO-0): how a spike gate adds up their squares over the ranks.
+    shards_gradients = False
 
     def __init__(self, engine: Any, module: nn.Module | None = None) -> None:
         self.engine = engine
@@ -95,7 +98,9 @@ class DeepSpeedGradients:
         elif hasattr(ds_optimizer, "fp32_groups_gradients") and hasattr(ds_optimizer, "bf16_groups"):
             pairs = self._bf16_optimizer(ds_optimizer)
         else:  # ZeRO-0: the gradients DeepSpeed all-reduced are in param.grad
+            self.shards_gradients = False
             return self._fallback.local_gradients(None)
+        self.shards_gradients = True
         return tuple(i for i, _ in pairs), [g for _, g in pairs]
 
     def skipped_last_step(self) -> bool:

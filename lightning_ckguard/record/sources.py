@@ -91,6 +91,9 @@ class ParameterGradients:
     """
 
     defers_skip_outcome = False
+    #: Whether the last gradients read were DTensor shards (FSDP2, tensor parallel), each rank's own part, rather
+    #: than whole gradients every rank holds (DDP): how a spike gate adds up their squares over the ranks.
+    shards_gradients = False
 
     def __init__(self, module: nn.Module, parameters: ParameterIndex | None = None) -> None:
         # ``parameters``: an index to share with another source of the same module, so both use the same indices
@@ -118,11 +121,15 @@ class ParameterGradients:
         params = self._module_params if optimizer is None else self._params_of(optimizer)
         indices: list[int] = []
         grads: list[Tensor] = []
+        sharded = False
         for index, param in params:
             grad = param.grad
             if grad is not None:
+                local = _local_tensor(grad)
+                sharded = sharded or local is not grad
                 indices.append(index)
-                grads.append(_local_tensor(grad))
+                grads.append(local)
+        self.shards_gradients = sharded
         return tuple(indices), grads
 
     def skipped_last_step(self) -> bool:

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 
 from lightning_ckguard.record.finiteness import IndexTensors, NonFiniteCheck
+from lightning_ckguard.record.squares import FlagsAndSquares
+from lightning_ckguard.record.step_values import StepValues
 
 #: How many offending parameter indices each rank reports at a boundary.
 MAX_REPORTED_PARAMETERS = 8
@@ -34,9 +36,12 @@ class NonFiniteWindow:
     Host-side: ``steps_recorded`` and ``pending_rejection`` (the last boundary was rejected and no step has run since,
     so the weights are still the rejected ones), and at most one step whose outcome is not known yet (see
     :meth:`record_pending`).
+
+    With ``step_values`` (a spike gate is on), each step's gradient sum of squares goes there too, from the same
+    read of the gradients where one read serves both (:class:`~lightning_ckguard.record.squares.FlagsAndSquares`).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, step_values: StepValues | None = None) -> None:
         self.device = torch.device(device)
         self.step_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.first_steps = torch.full((2,), -1, dtype=torch.int64, device=self.device)
@@ -45,9 +50,12 @@ class NonFiniteWindow:
         self.steps_recorded = 0
         self.pending_rejection = False
         self._check = NonFiniteCheck()
+        self.step_values = step_values
+        self._flags_and_squares = FlagsAndSquares(self._check)
         self._indices = IndexTensors(self.device)
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._true = torch.ones((), dtype=torch.bool, device=self.device)
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._pending: tuple[Tensor, int] | None = None
         self._every_index: tuple[int, ...] = ()
         # views of the applied-step entries, updated in place by the usual (not skipped) step
@@ -61,22 +69,25 @@ class NonFiniteWindow:
         step: int,
         num_parameters: int,
         skipped: Tensor | bool | None = None,
+        sharded: bool = False,
     ) -> None:
         """Record one optimizer step: ``grads[j]`` is the local gradient of parameter ``indices[j]``.
 
         ``skipped`` is True (a 0-d device tensor or a bool) when a loss scaler skipped this step: it was never
-        applied.
+        applied. ``sharded``: this rank alone applies these gradients (a ZeRO partition, an FSDP shard), rather than
+        every rank the same ones (DDP); it says how their sum of squares adds up over the ranks.
         """
         self.settle(skipped=False)
-        self._count(self._observe(indices, grads, num_parameters), step, skipped)
+        self._count(self._observe(indices, grads, num_parameters, step, sharded), step, skipped)
 
-    def record_pending(self, indices: tuple[int, ...], grads: Sequence[Tensor], step: int, num_parameters: int) -> None:
+    def record_pending(self, indices: tuple[int, ...], grads: Sequence[Tensor], step: int, num_parameters: int,
+                       sharded: bool = False) -> None:
         """Record a step whose outcome (applied or skipped) is only known after the optimizer ran (DeepSpeed).
 
         :meth:`settle` completes it; a step still pending at the next record or summary counts as applied.
         """
         self.settle(skipped=False)
-        self._pending = (self._observe(indices, grads, num_parameters), step)
+        self._pending = (self._observe(indices, grads, num_parameters, step, sharded), step)
 
     @property
     def has_pending_step(self) -> bool:
@@ -90,7 +101,8 @@ class NonFiniteWindow:
             self._pending = None
             self._count(non_finite, step, skipped)
 
-    def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int) -> Tensor:
+    def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int, step: int,
+                 sharded: bool) -> Tensor:
         self.steps_recorded += 1
         self.pending_rejection = False
         if num_parameters > self.parameter_counts.numel():
@@ -98,14 +110,24 @@ class NonFiniteWindow:
             grown[: self.parameter_counts.numel()] = self.parameter_counts
             self.parameter_counts = grown
             self._every_index = tuple(range(num_parameters))
-        if not grads:
+        flags = self._flags(grads, step, sharded)
+        if flags is None:
             return self._false
-        flags = self._check(grads, self.device)
         if indices == self._every_index:  # every parameter in index order (the usual step): no index tensor
             self.parameter_counts.add_(flags)
         else:
             self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
         return flags.any()
+
+    def _flags(self, grads: Sequence[Tensor], step: int, sharded: bool) -> Tensor | None:
+        """The per-gradient non-finite flags (None without gradients); with step values, the step's sum of squares
+        goes there, an empty step's as zero, so that every rank fills the same slots."""
+        if self.step_values is None:
+            return self._check(grads, self.device) if grads else None
+        flags, squares = self._flags_and_squares(grads, self.device) if grads else (None, self._zero)
+        invalid = flags.any() if flags is not None else self._false
+        self.step_values.record_step(squares if sharded else None, None if sharded else squares, invalid, step)
+        return flags
 
     def _count(self, non_finite: Tensor, step: int, skipped: Tensor | bool | None) -> None:
         # a handful of tiny kernels per step; ``first`` is set from ``last`` the first time ``last`` is set
@@ -154,3 +176,5 @@ class NonFiniteWindow:
         self.steps_recorded = 0
         self._pending = None
         self.pending_rejection = pending_rejection
+        if self.step_values is not None:
+            self.step_values.reset()

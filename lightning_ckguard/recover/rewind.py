@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_ckguard._distributed import agree_on_failure, broadcast_value
 from lightning_ckguard.agree.report import BoundaryReport
-from lightning_ckguard.errors import RewindRefusedError
+from lightning_ckguard.errors import RewindRefusedError, Spike
 
 #: The file, next to the checkpoints, that gets one JSON line per rewind (written by rank 0).
 REWIND_LOG_NAME = "ckguard-rewinds.jsonl"
@@ -63,8 +63,8 @@ class Rewind:
             the previous rewind and is not replayed (``None`` if none).
         epochs: ``trainer.current_epoch`` where the skipped range starts (at the checkpoint's boundary or the
             previous rewind: the first skipped batch may belong to the epoch after it) and at the rejected boundary.
-        ranks, first_step, last_step, num_steps, parameters, skipped_steps, non_finite_state: The rejection's
-            report (see :class:`~lightning_ckguard.agree.report.BoundaryReport`).
+        ranks, first_step, last_step, num_steps, parameters, skipped_steps, non_finite_state, spikes: The
+            rejection's report (see :class:`~lightning_ckguard.agree.report.BoundaryReport`).
     """
 
     number: int
@@ -82,6 +82,7 @@ class Rewind:
     parameters: tuple[str, ...]
     skipped_steps: int
     non_finite_state: tuple[tuple[int, str], ...] = ()
+    spikes: tuple[Spike, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able values (what ``json.loads`` of its log line gives back)."""
@@ -99,9 +100,10 @@ class Rewind:
                            f"{self.epochs[0]} to {self.epochs[1]}") + ")")
         ranks = ", ".join(map(str, self.ranks)) or "none"
         parameters = ", ".join(self.parameters) or "not attributable"
+        cause = (f"non-finite on rank(s) {ranks}, steps {self.first_step} to {self.last_step}, parameters: "
+                 f"{parameters}") if self.ranks or not self.spikes else "; ".join(s.describe() for s in self.spikes)
         return (
-            f"rewind {self.number} at global step {self.global_step} ({self.boundary}; non-finite on rank(s) {ranks}, "
-            f"steps {self.first_step} to {self.last_step}, parameters: {parameters}) went back to "
+            f"rewind {self.number} at global step {self.global_step} ({self.boundary}; {cause}) went back to "
             f"{self.checkpoint} (published at global step {self.checkpoint_global_step}), discarding {steps} and "
             f"skipping {batches}"
         )
@@ -182,6 +184,7 @@ class RewindLog:
             parameters=report.parameters,
             skipped_steps=report.skipped_steps,
             non_finite_state=report.non_finite_state,
+            spikes=report.spikes,
         )
 
     def refusal(self, report: BoundaryReport, reason: str) -> RewindRefusedError:

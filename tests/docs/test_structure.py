@@ -21,8 +21,9 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE  # tests/docs/ -> th
 LAYERS: dict[str, tuple[str, ...]] = {
     "leaves": ("_distributed", "errors"),
     "record": ("record", "record.sources", "record.deepspeed_sources", "record.source_selection", "record.finiteness",
-               "record.window", "record.skips", "record.state_sources", "record.state_check"),
-    "agree": ("agree", "agree.report", "agree.agreement", "agree.guard", "agree.top_k_vote"),
+               "record.window", "record.skips", "record.state_sources", "record.state_check", "record.squares",
+               "record.step_values"),
+    "agree": ("agree", "agree.report", "agree.agreement", "agree.guard", "agree.top_k_vote", "agree.spikes"),
     "publish": ("publish", "publish.ledger", "publish.transaction", "publish.seal", "publish.staging",
                 "publish.background", "publish.remote", "publish.storage", "publish.writers", "publish.durability"),
     "recover": ("recover", "recover.policy", "recover.rewind"),

@@ -14,6 +14,7 @@ Collectives time out after 60 s; the test adds a wall-clock timeout that kills t
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -54,56 +55,67 @@ def run_fabric(out: str, steps: int, fault_step: int, every: int) -> None:
 
 def process_group_rank(rank: int, out: str) -> None:
     """One rank of the raw torch.distributed scenario: record, agree on a ProcessGroup, save on rank 0."""
-    from fabric_guard import verdict_fields
-    from torch.nn.parallel import DistributedDataParallel
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2, timeout=TIMEOUT)
     try:
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-        model = DistributedDataParallel(net)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        guard = GradientGuard(net)
-        # any ProcessGroup, not only the default one; a new group does not inherit the default group's timeout
-        group = dist.new_group([0, 1], timeout=TIMEOUT)
-        checkpoints = os.path.join(out, "checkpoints")
-        events: list[dict[str, Any]] = []
-
-        def boundary(step: int, collective: Any) -> None:
-            verdict = guard.agree(collective, global_step=step)
-            path = os.path.join(checkpoints, f"pg-step={step}.pt")
-            if verdict.accepted:
-                if rank == 0:
-                    torch.save(net.state_dict(), path)
-                dist.barrier(group)
-            # accepted: published; rejected: the offending gradients were zeroed before the step, weights are finite
-            guard.reset()
-            events.append({"global_step": step, "file": os.path.basename(path), "verdict": verdict_fields(verdict)})
-
-        for step in range(4):
-            g = torch.Generator().manual_seed(10 * rank + step)
-            x = torch.randn(16, 4, generator=g)
-            optimizer.zero_grad()
-            model(x).pow(2).mean().backward()  # DDP all-reduces here
-            if step == 2 and rank == 1:
-                net[2].bias.grad[0] = float("inf")  # after the all-reduce: rank 1 alone sees it
-            guard.record(optimizer, step=step)
-            for p in net.parameters():  # keep the weights finite, so that the next window is clean
-                torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
-            optimizer.step()
-            if step == 1:
-                boundary(2, group)  # steps 0-1: finite
-            elif step == 2:
-                boundary(3, dist.group.WORLD)  # step 2: +inf on rank 1 only
-        boundary(4, group)  # step 3 only: the rejected window was reset
-        # the publisher over the same group, and over the default one (None): rank 0 writes the state dicts
-        published = os.path.join(out, "published")
-        CheckpointPublisher(group, published, guard=guard).save("group.pt", {"model": net, "step": 4})
-        CheckpointPublisher(None, published, guard=guard).save("world.pt", {"model": net, "step": 4})
-        write(out, f"pg-rank{rank}.json", {"world_size": dist.get_world_size(), "events": events})
+        _run_process_group(rank, out)
     finally:
+        # The DDP model must be gone before the process group is destroyed. If its reducer held the last reference
+        # to the gloo group, the group's destructor would join gloo's worker threads while holding the GIL, and a
+        # worker thread releasing a finished all-reduce's tensors waits for the GIL: a deadlock at exit (seen once
+        # in ten runs on a loaded machine). Released here, the reducer only drops a reference; the group goes last,
+        # in ``destroy_process_group``, whose destructor releases the GIL.
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _run_process_group(rank: int, out: str) -> None:
+    """The scenario itself: its locals (the DDP model) are released when it returns, before the group is destroyed."""
+    from fabric_guard import verdict_fields
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GradientGuard(net)
+    # any ProcessGroup, not only the default one; a new group does not inherit the default group's timeout
+    group = dist.new_group([0, 1], timeout=TIMEOUT)
+    checkpoints = os.path.join(out, "checkpoints")
+    events: list[dict[str, Any]] = []
+
+    def boundary(step: int, collective: Any) -> None:
+        verdict = guard.agree(collective, global_step=step)
+        path = os.path.join(checkpoints, f"pg-step={step}.pt")
+        if verdict.accepted:
+            if rank == 0:
+                torch.save(net.state_dict(), path)
+            dist.barrier(group)
+        # accepted: published; rejected: the offending gradients were zeroed before the step, weights are finite
+        guard.reset()
+        events.append({"global_step": step, "file": os.path.basename(path), "verdict": verdict_fields(verdict)})
+
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x = torch.randn(16, 4, generator=g)
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()  # DDP all-reduces here
+        if step == 2 and rank == 1:
+            net[2].bias.grad[0] = float("inf")  # after the all-reduce: rank 1 alone sees it
+        guard.record(optimizer, step=step)
+        for p in net.parameters():  # keep the weights finite, so that the next window is clean
+            torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+        optimizer.step()
+        if step == 1:
+            boundary(2, group)  # steps 0-1: finite
+        elif step == 2:
+            boundary(3, dist.group.WORLD)  # step 2: +inf on rank 1 only
+    boundary(4, group)  # step 3 only: the rejected window was reset
+    # the publisher over the same group, and over the default one (None): rank 0 writes the state dicts
+    published = os.path.join(out, "published")
+    CheckpointPublisher(group, published, guard=guard).save("group.pt", {"model": net, "step": 4})
+    CheckpointPublisher(None, published, guard=guard).save("world.pt", {"model": net, "step": 4})
+    write(out, f"pg-rank{rank}.json", {"world_size": dist.get_world_size(), "events": events})
 
 
 def main() -> None:

@@ -1,0 +1,185 @@
+"""The spike gate: a boundary whose window holds a step whose loss or global gradient norm jumped far above its
+baseline is rejected, though every value is finite.
+
+Each rank records its steps' values on the device (:mod:`lightning_ckguard.record.step_values`); at the boundary one
+all-reduce sums them, and every rank reads the same global value per step (:func:`global_values`) and judges it with
+the same pure function (:func:`judge`) against the same baseline, so the decision is the same everywhere without a
+word more.
+
+**The baseline** of a measure is the median of its last ``SpikeGate.history`` values from accepted windows, with
+1.4826 times their median absolute deviation (MAD) as its spread: both ignore the rare large value that a mean and a
+variance (or their moving averages) would absorb, so a spike that slipped through, or a noisy phase, does not
+teach the gate that spikes are normal; and neither drifts within a window, since only accepted windows are learned
+(:meth:`SpikeHistory.learn`), after they are published. A rejected window, rewound or skipped, teaches nothing.
+
+**A step spikes** when its value is both more than ``factor`` times the baseline and more than ``deviations``
+spreads above it: the factor alone would fire on a small loss's ordinary noise (0.01 to 0.05), the deviations alone
+on a very steady measure (a spread near zero). Until ``warmup_steps`` accepted values are learned, nothing spikes.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_ckguard.errors import MEASURES, Spike
+from lightning_ckguard.record import step_values as rows
+
+Measure = Literal["loss", "grad_norm"]
+#: The spread of a normal distribution is 1.4826 times its median absolute deviation.
+_MAD_TO_SPREAD = 1.4826
+
+
+@dataclass(frozen=True)
+class SpikeGate:
+    """Reject a boundary whose window holds a step whose loss or global gradient norm spiked, though finite.
+
+    Off unless given (``FiniteGradCheckpoint(spike_gate=SpikeGate())``, ``GradientGuard(module,
+    spike_gate=SpikeGate())``). The rejection goes through the callback's ``on_non_finite`` policy, so
+    ``"rewind"`` goes back to the last good checkpoint and trains on past the bad batches.
+
+    Args:
+        on: The measures watched: ``"loss"`` (the mean over the ranks of each optimizer step's loss, what
+            ``training_step`` returned, summed over the micro-batches of an accumulated step as Lightning scales
+            them) and ``"grad_norm"`` (the 2-norm of all gradients the step applied, over every rank's shard).
+        factor: A step spikes when its value is more than ``factor`` times the baseline (the median of the accepted
+            history) ...
+        deviations: ... and more than ``deviations`` robust standard deviations above it (1.4826 times the
+            history's median absolute deviation).
+        warmup_steps: Accepted steps learned before anything can spike.
+        history: Accepted steps the baseline is taken over (the most recent ones).
+        resolution: Steps a window holds one by one; in a longer window each value stands for the largest of 2, 4,
+            ... neighbouring steps, and the boundary's all-reduce stays ``5 * resolution`` float64 words.
+
+    Raises:
+        ValueError: For an unknown or repeated measure, no measure, ``factor`` not above 1, ``deviations`` not
+            positive, a negative ``warmup_steps``, a ``history`` below 8 or below ``warmup_steps``, or a
+            ``resolution`` that is not a power of two of at least 2.
+    """
+
+    on: tuple[Measure, ...] = ("loss", "grad_norm")
+    factor: float = 10.0
+    deviations: float = 20.0
+    warmup_steps: int = 100
+    history: int = 1000
+    resolution: int = rows.DEFAULT_CAPACITY
+
+    def __post_init__(self) -> None:
+        on = (self.on,) if isinstance(self.on, str) else tuple(self.on)
+        object.__setattr__(self, "on", on)
+        if not on or any(m not in MEASURES for m in on) or len(set(on)) != len(on):
+            raise ValueError(f"`SpikeGate(on=...)` takes one or both of {MEASURES}, each once; got {self.on!r}.")
+        for name, low in (("factor", 1.0), ("deviations", 0.0)):
+            value = getattr(self, name)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or value <= low:
+                raise ValueError(f"`SpikeGate({name}=...)` must be a finite number above {low:g}, got {value!r}.")
+        for name, least in (("warmup_steps", 0), ("history", 8), ("resolution", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"`SpikeGate({name}=...)` must be an integer of at least {least}, got {value!r}.")
+        if self.history < self.warmup_steps:
+            raise ValueError(f"`SpikeGate(history={self.history})` must hold at least `warmup_steps` "
+                             f"({self.warmup_steps}) values, or the warm-up never ends.")
+        if self.resolution & (self.resolution - 1):
+            raise ValueError(f"`SpikeGate(resolution=...)` must be a power of two, got {self.resolution!r}.")
+
+
+@dataclass(frozen=True)
+class StepMeasures:
+    """One window's global values, the same on every rank: per measure, one value per slot (None where a step was
+    not finite, or gave no loss), and each slot's first and last step."""
+
+    values: dict[str, tuple[float | None, ...]]
+    labels: tuple[tuple[int, int], ...]
+
+
+def global_values(words: Sequence[float], capacity: int, labels: Sequence[Sequence[int]], world_size: int
+                  ) -> StepMeasures:
+    """Read the step values summed over every rank (``rows.ROWS * capacity`` words) into global ones: the loss as
+    the mean over the ranks that gave one, the gradient norm from the partitions' squares plus the replicated squares
+    once."""
+    table = [words[row * capacity : (row + 1) * capacity] for row in range(rows.ROWS)]
+    loss: list[float | None] = []
+    grad_norm: list[float | None] = []
+    for slot in range(len(labels)):
+        if table[rows.INVALID][slot] > 0:
+            loss.append(None)
+            grad_norm.append(None)
+            continue
+        seen = table[rows.LOSS_SEEN][slot]
+        loss.append(table[rows.LOSS][slot] / seen if seen > 0 else None)
+        squares = table[rows.SHARDED][slot] + table[rows.REPLICATED][slot] / world_size
+        grad_norm.append(math.sqrt(squares) if squares >= 0 else None)
+    return StepMeasures({"loss": tuple(loss), "grad_norm": tuple(grad_norm)},
+                        tuple((int(first), int(last)) for first, last in labels))
+
+
+@dataclass(frozen=True)
+class Level:
+    """Where a measure stood at a boundary: its baseline (None during the warm-up) and the window's largest value
+    (None if the window had no finite one)."""
+
+    measure: str
+    baseline: float | None
+    window_max: float | None
+
+
+@dataclass(frozen=True)
+class SpikeCheck:
+    """What the gate found at one boundary: the spikes (empty: none) and each watched measure's level."""
+
+    spikes: tuple[Spike, ...] = ()
+    levels: tuple[Level, ...] = ()
+
+
+class SpikeHistory:
+    """The accepted values of each watched measure, the most recent ``gate.history`` of them (host-side)."""
+
+    def __init__(self, gate: SpikeGate) -> None:
+        self.gate = gate
+        self.values: dict[str, deque[float]] = {measure: deque(maxlen=gate.history) for measure in gate.on}
+
+    def baseline(self, measure: str) -> tuple[float, float] | None:
+        """``(median, spread)`` of the measure's accepted values, or None until the warm-up is over."""
+        values = self.values[measure]
+        if not values or len(values) < self.gate.warmup_steps:
+            return None
+        median = statistics.median(values)
+        return median, _MAD_TO_SPREAD * statistics.median(abs(v - median) for v in values)
+
+    def learn(self, measures: StepMeasures) -> None:
+        """Learn an accepted, published window's values (its finite ones)."""
+        for measure, history in self.values.items():
+            history.extend(v for v in measures.values[measure] if v is not None and math.isfinite(v))
+
+
+def judge(gate: SpikeGate, history: SpikeHistory, measures: StepMeasures) -> SpikeCheck:
+    """The spikes of a window and the levels of its measures; pure and deterministic, so every rank reaches the same
+    from the same global values and the same accepted history."""
+    spikes: list[Spike] = []
+    levels: list[Level] = []
+    for measure in gate.on:
+        values = measures.values[measure]
+        present = [v for v in values if v is not None]
+        baseline = history.baseline(measure)
+        levels.append(Level(measure, baseline[0] if baseline else None, max(present) if present else None))
+        if baseline is None:
+            continue
+        median, spread = baseline
+        for value, (first, last) in zip(values, measures.labels, strict=True):
+            if value is None:
+                continue
+            ratio = value / median if median > 0 else math.inf
+            deviations = (value - median) / spread if spread > 0 else (math.inf if value > median else 0.0)
+            if ratio > gate.factor and deviations > gate.deviations:
+                spikes.append(Spike(measure, first, last, value, median, ratio, deviations))
+    spikes.sort(key=lambda spike: (spike.first_step, MEASURES.index(spike.measure)))
+    return SpikeCheck(tuple(spikes), tuple(levels))
+
+
+__all__ = ["Level", "SpikeCheck", "SpikeGate", "SpikeHistory", "StepMeasures", "global_values", "judge"]
