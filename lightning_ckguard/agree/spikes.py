@@ -43,7 +43,7 @@ class SpikeGate:
     ``"rewind"`` goes back to the last good checkpoint and trains on past the bad batches.
 
     Args:
-        on: The measures watched: ``"loss"`` (the mean over the ranks of each optimizer step's loss, what
+        measures: The measures watched: ``"loss"`` (the mean over the ranks of each optimizer step's loss, what
             ``training_step`` returned, summed over the micro-batches of an accumulated step as Lightning scales
             them) and ``"grad_norm"`` (the 2-norm of all gradients the step applied, over every rank's shard).
         factor: A step spikes when its value is more than ``factor`` times the baseline (the median of the accepted
@@ -61,7 +61,7 @@ class SpikeGate:
             ``resolution`` that is not a power of two of at least 2.
     """
 
-    on: tuple[Measure, ...] = ("loss", "grad_norm")
+    measures: tuple[Measure, ...] = ("loss", "grad_norm")
     factor: float = 10.0
     deviations: float = 20.0
     warmup_steps: int = 100
@@ -69,10 +69,11 @@ class SpikeGate:
     resolution: int = rows.DEFAULT_CAPACITY
 
     def __post_init__(self) -> None:
-        on = (self.on,) if isinstance(self.on, str) else tuple(self.on)
-        object.__setattr__(self, "on", on)
-        if not on or any(m not in MEASURES for m in on) or len(set(on)) != len(on):
-            raise ValueError(f"`SpikeGate(on=...)` takes one or both of {MEASURES}, each once; got {self.on!r}.")
+        measures = (self.measures,) if isinstance(self.measures, str) else tuple(self.measures)
+        if not measures or any(m not in MEASURES for m in measures) or len(set(measures)) != len(measures):
+            raise ValueError(f"`SpikeGate(measures=...)` takes one or both of {MEASURES}, each once; got "
+                             f"{self.measures!r}.")
+        object.__setattr__(self, "measures", measures)
         for name, low in (("factor", 1.0), ("deviations", 0.0)):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -142,7 +143,7 @@ class SpikeHistory:
 
     def __init__(self, gate: SpikeGate) -> None:
         self.gate = gate
-        self.values: dict[str, deque[float]] = {measure: deque(maxlen=gate.history) for measure in gate.on}
+        self.values: dict[str, deque[float]] = {measure: deque(maxlen=gate.history) for measure in gate.measures}
 
     def baseline(self, measure: str) -> tuple[float, float] | None:
         """``(median, spread)`` of the measure's accepted values, or None until the warm-up is over."""
@@ -163,7 +164,7 @@ def judge(gate: SpikeGate, history: SpikeHistory, measures: StepMeasures) -> Spi
     from the same global values and the same accepted history."""
     spikes: list[Spike] = []
     levels: list[Level] = []
-    for measure in gate.on:
+    for measure in gate.measures:
         values = measures.values[measure]
         present = [v for v in values if v is not None]
         baseline = history.baseline(measure)

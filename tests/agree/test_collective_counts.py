@@ -89,3 +89,15 @@ def test_the_guard_adds_at_most_todays_floor_of_collectives(ranks):
     outside = [{name: counts[cls]["outside"].get(name, 0) for name in gathers} for cls in
                ("ModelCheckpoint", "FiniteGradCheckpoint")]
     assert outside[0] == outside[1], outside
+
+
+def test_the_spike_gate_adds_one_all_reduce_per_agreement_and_nothing_per_step(ranks):
+    counts = ranks[0]
+    guarded, gated = boundaries(counts, "FiniteGradCheckpoint"), boundaries(counts, "SpikeGate")
+    assert [(b["hook"], b["epoch"]) for b in gated] == [(b["hook"], b["epoch"]) for b in guarded]
+    for plain, with_gate in zip(guarded, gated, strict=True):
+        added = {name: with_gate["calls"].get(name, 0) - plain["calls"].get(name, 0)
+                 for name in {*plain["calls"], *with_gate["calls"]}}
+        assert {name: n for name, n in added.items() if n} == {"all_reduce": 1}, (plain, with_gate)
+    # outside the boundaries (the training steps among them): exactly what the guard without a gate runs
+    assert fit_total(counts, "SpikeGate") == fit_total(counts, "FiniteGradCheckpoint")

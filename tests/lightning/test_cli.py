@@ -25,7 +25,7 @@ from lightning_namespace import CKGUARD_MODULES, IDS, NAMESPACES
 
 from conftest import LIGHTNING_2_5, TESTS
 from helpers import QUIET, helpers_for
-from lightning_ckguard import FiniteGradCheckpoint
+from lightning_ckguard import FiniteGradCheckpoint, SpikeGate
 
 BORING = "--model=lightning.pytorch.demos.boring_classes.BoringModel"
 CONFIG = os.path.join(TESTS, "data", "cli_config.yaml")
@@ -112,7 +112,9 @@ def assert_every_argument_of_the_config(guard) -> None:
     assert (guard.save_weights_only, guard.mode, guard.auto_insert_metric_name) == (True, "max", False)
     assert guard._train_time_interval == timedelta(seconds=30)
     assert (guard._save_on_train_epoch_end, guard._enable_version_counter) == (False, False)
-    assert (guard.on_non_finite, guard.count_skipped_steps) == ("stop", True)
+    assert (guard.on_non_finite, guard.count_skipped_steps, guard.durable) == ("stop", True, False)
+    assert guard.spike_gate == SpikeGate(measures=("grad_norm",), factor=5.0, deviations=8.0, warmup_steps=20,
+                                         history=200, resolution=64)
 
 
 def test_every_argument_is_typed_and_reaches_the_callback(tmp_path, monkeypatch):
@@ -134,6 +136,8 @@ def test_every_argument_is_typed_and_reaches_the_callback(tmp_path, monkeypatch)
         ("save_top_k", "three", "Expected a <class 'int'>"),
         ("every_n_train_steps", "often", "Expected a <class 'int'>"),
         ("train_time_interval", "soon", "timedelta"),
+        ("spike_gate.factor", "huge", "Expected a <class 'float'>"),
+        ("spike_gate.measures", "perplexity", "Expected a <class 'tuple'>"),
     ],
 )
 def test_invalid_values_are_rejected_by_the_cli(tmp_path, capsys, argument, value, expected):
@@ -142,7 +146,8 @@ def test_invalid_values_are_rejected_by_the_cli(tmp_path, capsys, argument, valu
              f"--trainer.callbacks.{argument}={value}"])
     assert exit_info.value.code != 0
     error = capsys.readouterr().err
-    assert f'Parser key "{argument}"' in error and value in error and expected in error, error[-3000:]
+    key = argument.rsplit(".", 1)[-1]  # a nested key (the spike gate's) is named on its own line
+    assert f'Parser key "{key}"' in error and value in error and expected in error, error[-3000:]
     assert not os.listdir(tmp_path), "nothing may run, and nothing be written, for an invalid config"
 
 

@@ -52,7 +52,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, FaultyModel, run_scenarios  # noqa: E402
-from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint, SpikeGate  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -81,11 +81,11 @@ def counting_boundaries(cls: type[ModelCheckpoint], boundaries: list[dict[str, A
     return counted
 
 
-def count_fit(out: str, cls: type[ModelCheckpoint]) -> dict[str, Any]:
+def count_fit(out: str, cls: type[ModelCheckpoint], name: str, **options: Any) -> dict[str, Any]:
     seed_everything(7)
     boundaries: list[dict[str, Any]] = []
-    callback = counting_boundaries(cls, boundaries)(dirpath=os.path.join(out, cls.__name__), monitor="val_loss",
-                                                     save_top_k=2, save_last=True)
+    callback = counting_boundaries(cls, boundaries)(dirpath=os.path.join(out, name), monitor="val_loss",
+                                                     save_top_k=2, save_last=True, **options)
     trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[callback],
                       max_epochs=EPOCHS, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0, **QUIET)
     model = FaultyModel(val_losses=VAL_LOSSES)
@@ -96,8 +96,10 @@ def count_fit(out: str, cls: type[ModelCheckpoint]) -> dict[str, Any]:
 
 
 def main() -> None:
-    scenarios = {cls.__name__: (lambda out, cls=cls: count_fit(out, cls)) for cls in (ModelCheckpoint,
-                                                                                      FiniteGradCheckpoint)}
+    scenarios = {cls.__name__: (lambda out, cls=cls: count_fit(out, cls, cls.__name__)) for cls in (
+        ModelCheckpoint, FiniteGradCheckpoint)}
+    # the spike gate adds its one all-reduce of the step values to each agreement, and nothing else
+    scenarios["SpikeGate"] = lambda out: count_fit(out, FiniteGradCheckpoint, "SpikeGate", spike_gate=SpikeGate())
     run_scenarios(scenarios, sys.argv[1], set(sys.argv[2:]))
 
 

@@ -1,0 +1,236 @@
+"""The spike gate in one process: its configuration, its pure judgement, the per-step values it records on the device,
+and a guard that rejects a finite spike and learns only from accepted windows.
+
+The 2-process runs (a spike on rank 1 only under DDP and FSDP2, rewind against a run without the bad batch, the
+global gradient norm against ``clip_grad_norm_``) are in ``tests/recover/test_spike_gate.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+from helpers import HOST_READS, CountOps
+from lightning_ckguard import GradientGuard, NonFiniteGradientError, Spike, SpikeGate
+from lightning_ckguard.agree.spikes import SpikeHistory, StepMeasures, global_values, judge
+from lightning_ckguard.record import squares
+from lightning_ckguard.record import step_values as rows
+from lightning_ckguard.record.squares import FlagsAndSquares
+from lightning_ckguard.record.step_values import StepValues
+
+# ------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"measures": ()}, "one or both of"),
+        ({"measures": ("loss", "perplexity")}, "one or both of"),
+        ({"measures": ("loss", "loss")}, "each once"),
+        ({"factor": 1.0}, "factor"),
+        ({"factor": float("inf")}, "factor"),
+        ({"factor": True}, "factor"),
+        ({"deviations": 0}, "deviations"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"history": 4}, "history"),
+        ({"history": 50, "warmup_steps": 100}, "warm-up never ends"),
+        ({"resolution": 100}, "power of two"),
+        ({"resolution": 1}, "resolution"),
+    ],
+)
+def test_bad_values_are_value_errors_at_construction(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        SpikeGate(**arguments)
+
+
+def test_a_single_measure_may_be_named_alone_and_the_gate_is_a_value():
+    gate = SpikeGate(measures="grad_norm")
+    assert gate.measures == ("grad_norm",)
+    assert gate == SpikeGate(measures=("grad_norm",)) and pickle.loads(pickle.dumps(gate)) == gate
+    with pytest.raises(ValueError, match="SpikeGate"):
+        GradientGuard(torch.nn.Linear(2, 1), spike_gate="on")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the judgement
+
+
+def _measures(losses, norms=None, first_step=0):
+    norms = norms if norms is not None else [1.0] * len(losses)
+    labels = tuple((first_step + i, first_step + i) for i in range(len(losses)))
+    return StepMeasures({"loss": tuple(losses), "grad_norm": tuple(norms)}, labels)
+
+
+def _history(gate, values):
+    history = SpikeHistory(gate)
+    history.learn(_measures(values))
+    return history
+
+
+def test_nothing_spikes_during_the_warm_up():
+    gate = SpikeGate(warmup_steps=20, history=100)
+    check = judge(gate, _history(gate, [1.0] * 19), _measures([1e6]))
+    assert check.spikes == ()
+    assert [(level.measure, level.baseline, level.window_max) for level in check.levels] == [
+        ("loss", None, 1e6), ("grad_norm", None, 1.0)]
+
+
+def test_a_step_spikes_only_past_both_the_factor_and_the_deviations():
+    gate = SpikeGate(factor=10, deviations=20, warmup_steps=10, history=100)
+    noisy = [1.0 + 0.5 * math.sin(i) for i in range(40)]  # median about 1, spread about 0.5
+    history = _history(gate, noisy)
+    median, spread = history.baseline("loss")
+    assert 0.9 < median < 1.1 and 0.4 < spread < 0.8
+    # 9x: past the deviations, not the factor; 50x: past both
+    check = judge(gate, history, _measures([9 * median, 1.0, 50 * median], first_step=100))
+    assert [(s.measure, s.first_step, round(s.ratio)) for s in check.spikes] == [("loss", 102, 50)]
+    # a very steady history (spread near zero): 3x is far past the deviations, not past the factor
+    steady = _history(gate, [2.0] * 40)
+    assert judge(gate, steady, _measures([6.0])).spikes == ()
+    assert judge(gate, steady, _measures([25.0])).spikes[0].deviations == math.inf
+
+
+def test_steps_that_were_not_finite_or_gave_no_loss_are_neither_judged_nor_learned():
+    gate = SpikeGate(warmup_steps=10, history=100)
+    history = _history(gate, [1.0] * 20)
+    check = judge(gate, history, _measures([None, 1e9], norms=[1e9, None]))
+    assert [(s.measure, s.first_step) for s in check.spikes] == [("grad_norm", 0), ("loss", 1)]
+    history.learn(_measures([None, float("inf"), 3.0], norms=[None, None, None]))
+    assert list(history.values["loss"])[-1] == 3.0 and len(history.values["loss"]) == 21
+    assert len(history.values["grad_norm"]) == 20
+
+
+def test_global_values_add_up_shards_once_and_replicas_once():
+    capacity, world = 4, 2
+    table = [[0.0] * capacity for _ in range(rows.ROWS)]
+    # slot 0: loss summed over 2 ranks that both gave one; shards 3 + 4 squared; replicated 25 on each rank
+    table[rows.LOSS][0], table[rows.LOSS_SEEN][0] = 3.0, 2.0
+    table[rows.SHARDED][0], table[rows.REPLICATED][0] = 9.0 + 16.0, 2 * 25.0
+    table[rows.INVALID][1] = 1.0  # slot 1: a rank saw a non-finite value
+    words = [value for row in table for value in row]
+    measures = global_values(words, capacity, [[5, 5], [6, 6]], world)
+    assert measures.values["loss"] == (1.5, None)
+    assert measures.values["grad_norm"] == (math.sqrt(25.0 + 25.0), None)
+    assert measures.labels == ((5, 5), (6, 6))
+
+
+# ------------------------------------------------------------------ recording, on the device
+
+
+def test_a_long_window_is_folded_into_its_slots_keeping_each_slots_largest_value():
+    values = StepValues(torch.device("cpu"), capacity=4)
+    for step in range(10):
+        values.record_step(None, torch.tensor(float(step), dtype=torch.float64), torch.tensor(False), step)
+        values.add_loss(torch.tensor(100.0 - step))
+        values.close_step()
+    # 10 steps in 4 slots: folded twice, 4 steps per slot; the last slot is still filling
+    assert values.steps_per_slot == 4 and values.labels == [[0, 3], [4, 7], [8, 9]]
+    summary = values.summary().view(rows.ROWS, 4)
+    assert summary[rows.REPLICATED].tolist() == [3.0, 7.0, 9.0, 0.0]
+    assert summary[rows.LOSS].tolist() == [100.0, 96.0, 92.0, 0.0]
+    values.reset()
+    assert values.labels == [] and not values.summary().any()
+
+
+def test_micro_batch_losses_add_up_to_their_steps_whichever_side_of_the_step_they_arrive():
+    values = StepValues(torch.device("cpu"))
+    zero, finite = torch.zeros((), dtype=torch.float64), torch.tensor(False)
+    values.add_loss(torch.tensor(1.0))  # a micro-batch before the step (accumulation)
+    values.close_step()  # its batch end: no step yet, the loss waits
+    values.record_step(None, zero, finite, 7)
+    values.add_loss(torch.tensor(2.0))  # the stepping batch's end
+    values.close_step()
+    values.record_step(None, zero, finite, 8)
+    values.add_loss(torch.tensor(float("nan")))
+    values.close_step()
+    summary = values.summary().view(rows.ROWS, -1)
+    assert summary[rows.LOSS, :2].tolist() == [3.0, 0.0]
+    assert summary[rows.LOSS_SEEN, :2].tolist() == [1.0, 0.0] and summary[rows.INVALID, :2].tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["cpu-two-passes", "one-pass"])
+def test_flags_stay_exact_and_the_squares_add_up(monkeypatch, one_pass):
+    if one_pass:  # the accelerator path, run on CPU tensors: fp64 norms give the flags and the squares at once
+        monkeypatch.setattr(squares, "_one_pass", lambda values: True)
+    grads = [torch.randn(64, 32), torch.randn(7), torch.tensor([3e38, -3e38, 1.0]), torch.tensor([1.0, float("nan")])]
+    flags, total = FlagsAndSquares()(grads, torch.device("cpu"))
+    assert flags.tolist() == [False, False, False, True]  # 3e38 is finite, whatever its square is
+    finite = sum(float(g.double().square().sum()) for g in grads[:2])
+    if one_pass:
+        large = float(grads[2][0])  # 3e38 as fp32 holds it
+        assert float(total) == pytest.approx(finite + 2 * large**2 + 1, rel=1e-12)
+    else:  # in fp32 on a CPU: the squares of 3e38 overflow, and the step is above every baseline
+        assert float(total) == math.inf
+        flags, total = FlagsAndSquares()(grads[:2], torch.device("cpu"))
+        assert float(total) == pytest.approx(finite, rel=1e-5)
+
+
+def test_recording_with_the_gate_reads_nothing_back_and_communicates_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    guard = GradientGuard(model, spike_gate=SpikeGate())
+    loss = model(torch.randn(5, 4)).pow(2).mean()
+    loss.backward()
+    guard.record(step=0, loss=loss.detach())  # warm the caches
+    with CountOps() as ops:
+        for step in range(1, 6):
+            guard.record(step=step, loss=loss.detach())
+    assert ops.names, "the dispatch mode saw no ops at all"
+    assert ops.host_reads == 0, [n for n in ops.names if n.split(".")[0] in HOST_READS]
+    assert not any("c10d" in n or "all_reduce" in n for n in ops.names)
+
+
+# ------------------------------------------------------------------ a guard with the gate
+
+
+def _train(guard, model, optimizer, steps, first_step=0, spike_at=None, every=5):
+    verdicts = []
+    for step in range(first_step, first_step + steps):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator)
+        if step == spike_at:
+            y = y * 1e3
+        optimizer.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        guard.record(optimizer, step=step, loss=loss.detach())
+        optimizer.step()
+        if (step + 1) % every == 0:
+            verdict = guard.agree(None, global_step=step + 1)
+            guard.reset()  # as after a publication, or a rewind: a rejected window must still teach nothing
+            verdicts.append(verdict)
+    return verdicts
+
+
+def test_a_finite_spike_rejects_with_its_step_value_and_baseline_and_teaches_nothing():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = GradientGuard(model, spike_gate=SpikeGate(warmup_steps=20, history=100))
+    assert all(v.accepted for v in _train(guard, model, optimizer, 40))
+    learned = {measure: list(values) for measure, values in guard._spike_history.values.items()}
+    assert len(learned["loss"]) == 40
+    (verdict,) = _train(guard, model, optimizer, 5, first_step=40, spike_at=42)
+    assert not verdict.accepted and verdict.ranks == ()
+    error = verdict.to_error()
+    # the bad batch's step spikes on both measures; the weights it ruined make the steps after it spike too
+    spikes = [(s.measure, s.first_step, s.last_step) for s in error.spikes]
+    assert spikes[:2] == [("loss", 42, 42), ("grad_norm", 42, 42)] and all(s[1] >= 42 for s in spikes)
+    assert all(s.ratio > 1e2 for s in error.spikes[:2]) and all(s.value > 10 * s.baseline for s in error.spikes)
+    assert "the loss spiked at step 42 to" in str(error) and "the global gradient norm spiked at step 42" in str(error)
+    # the rejected window taught the gate nothing: its baseline is what the accepted windows made it
+    assert {m: list(v) for m, v in guard._spike_history.values.items()} == learned
+    # an error is a value: pickled, it is equal; its fields hold the spikes as plain values
+    assert pickle.loads(pickle.dumps(error)) == error
+    assert NonFiniteGradientError(**error.fields()) == error
+    assert error.fields()["spikes"][0]["measure"] == "loss" and isinstance(error.spikes[0], Spike)
+    report = verdict.report("train batch end")
+    assert report.metrics()["ckguard/loss_window_max"] == error.spikes[0].value
+    assert report.metrics()["ckguard/loss_baseline"] == error.spikes[0].baseline
+
+
+def test_an_error_without_spikes_keeps_the_fields_of_earlier_releases():
+    error = NonFiniteGradientError(ranks=[1], first_step=3, last_step=3, num_steps=1, global_step=4)
+    assert "spikes" not in error.fields() and error.spikes == ()

@@ -1,0 +1,129 @@
+"""``FiniteGradCheckpoint(spike_gate=...)`` in a single-process fit: a finite spike (one batch's targets scaled by
+1e3) is rejected with its step, value and baseline; ``"rewind"`` goes back and ends where a run that never saw the
+bad batch ends; the loss of an accumulated step is what Lightning counts; the ``ckguard/*`` levels reach the logger.
+
+2-process runs (DDP, FSDP2) are in ``tests/recover/test_spike_gate.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from helpers import QUIET, RecordingLogger
+from lightning_ckguard import FiniteGradCheckpoint, SpikeGate
+
+BAD_BATCH = 20
+GATE = SpikeGate(warmup_steps=8, history=200)
+
+
+def batches(count: int, bad: int | None = BAD_BATCH, skip: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Deterministic regression batches, one per index; ``bad``'s targets are scaled by 1e3 (finite), ``skip`` is
+    left out (the run that never saw the bad batch)."""
+    data = []
+    weight = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    for index in range(count):
+        generator = torch.Generator().manual_seed(index)
+        x = torch.randn(8, 4, generator=generator)
+        y = x @ weight + 0.1 * torch.randn(8, 1, generator=generator)
+        if index == bad:
+            y = y * 1e3
+        if index != skip:
+            data.append((x, y))
+    return data
+
+
+class Regression(LightningModule):
+    def __init__(self, data: list[tuple[torch.Tensor, ...]]) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.data = data
+        self.losses: list[float] = []  # every training_step's loss, as returned
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = (self.layer(x) - y).pow(2).mean()
+        self.losses.append(float(loss))
+        self.log("train_loss", loss)  # Lightning's flush of every step carries the guard's values
+        return loss
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=None, shuffle=False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+def fit(root: Any, data: list, policy: str = "skip", max_steps: int = 30, gate: SpikeGate | None = GATE,
+        **trainer_options: Any) -> tuple[FiniteGradCheckpoint, Regression, RecordingLogger, list[str]]:
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=os.path.join(root, "checkpoints"), filename="{step}",
+                                    every_n_train_steps=1, save_top_k=-1, on_non_finite=policy, spike_gate=gate)
+    model, logger = Regression(data), RecordingLogger()
+    options = {**QUIET, "logger": logger, "log_every_n_steps": 1, **trainer_options}
+    trainer = Trainer(max_steps=max_steps, limit_val_batches=0, callbacks=[callback], **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return callback, model, logger, [str(w.message) for w in caught if "FiniteGradCheckpoint" in str(w.message)]
+
+
+def test_a_finite_spike_is_rejected_with_its_step_value_and_baseline(tmp_path):
+    callback, model, logger, messages = fit(tmp_path, batches(40), policy="skip", max_steps=24)
+    rejected = [m for m in messages if "rejected the checkpoint" in m]
+    assert rejected, messages
+    # the bad batch is the 21st step (global step 20): its boundary, at global step 21, published nothing
+    assert "Refusing to publish a checkpoint at global step 21: the loss spiked at step 20 to" in rejected[0]
+    assert "the global gradient norm spiked at step 20" in rejected[0]
+    files = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert "step=20.ckpt" in files and "step=21.ckpt" not in files
+    # the levels ride in Lightning's flush: a baseline from the end of the warm-up on, the window's largest value
+    logged = {key for _, metrics in logger.calls for key in metrics}
+    assert {"ckguard/loss_baseline", "ckguard/loss_window_max", "ckguard/grad_norm_baseline",
+            "ckguard/grad_norm_window_max"} <= logged
+    ratios = [m["ckguard/loss_window_max"] / m["ckguard/loss_baseline"] for _, m in logger.calls
+              if "ckguard/loss_baseline" in m]
+    assert max(ratios) > 1e4 and sorted(ratios)[len(ratios) // 2] < 10, ratios  # the spike's, and the usual
+
+
+def test_rewind_ends_where_a_run_that_never_saw_the_bad_batch_ends(tmp_path):
+    callback, model, _, messages = fit(tmp_path / "rewound", batches(40), policy="rewind", max_steps=30)
+    (rewind,) = callback.rewinds
+    assert (rewind.global_step, rewind.checkpoint_global_step, rewind.skipped_batches) == (21, 20, (20, 20))
+    assert [(s.measure, s.first_step) for s in rewind.spikes] == [("loss", 20), ("grad_norm", 20)]
+    assert any("Rewound in place" in m and "the loss spiked at step 20" in m for m in messages), messages
+    # the global step counts on through a rewind: the 30 steps made 29 updates, the bad one discarded
+    _, reference, _, _ = fit(tmp_path / "reference", batches(40, skip=BAD_BATCH), policy="rewind", max_steps=29)
+    for (name, rewound), (_, clean) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
+        torch.testing.assert_close(rewound, clean, rtol=1e-5, atol=1e-6, msg=name)
+    # and every checkpoint published after the rewind holds the reference run's state after as many updates
+    for step in (22, 25, 30):
+        rewound = torch.load(tmp_path / "rewound" / "checkpoints" / f"step={step}.ckpt", weights_only=True)
+        clean = torch.load(tmp_path / "reference" / "checkpoints" / f"step={step - 1}.ckpt", weights_only=True)
+        for name, value in rewound["state_dict"].items():
+            torch.testing.assert_close(value, clean["state_dict"][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert rewound["optimizer_states"][0]["state"][0]["step"] == clean["optimizer_states"][0]["state"][0]["step"]
+
+
+def test_the_loss_of_an_accumulated_step_is_the_mean_of_its_micro_batches(tmp_path):
+    callback, model, _, messages = fit(tmp_path, batches(80, bad=41), policy="stop", max_steps=30,
+                                       accumulate_grad_batches=2)
+    # batches 40 and 41 make global step 20; Lightning scales each loss by 1/2 and the step's loss is their sum
+    (spike,) = [s for s in callback.rejection.spikes if s.measure == "loss"]
+    assert spike.first_step == 20
+    assert spike.value == pytest.approx((model.losses[40] + model.losses[41]) / 2, rel=1e-6)
+
+
+def test_a_finite_run_with_the_gate_publishes_what_model_checkpoint_does(tmp_path):
+    fit(tmp_path / "guarded", batches(40, bad=None), max_steps=24)
+    seed_everything(0)
+    plain = ModelCheckpoint(dirpath=tmp_path / "plain" / "checkpoints", filename="{step}", every_n_train_steps=1,
+                            save_top_k=-1)
+    Trainer(max_steps=24, limit_val_batches=0, callbacks=[plain], **QUIET).fit(Regression(batches(40, bad=None)))
+    assert sorted(os.listdir(tmp_path / "guarded" / "checkpoints")) == sorted(os.listdir(plain.dirpath))
