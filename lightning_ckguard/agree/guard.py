@@ -116,10 +116,12 @@ class GradientGuard:
         label = self._steps_seen if step is None else step
         num_parameters = len(self.source.parameter_names)
         sharded = bool(getattr(self.source, "shards_gradients", False))
+        gradient_scale = getattr(self.source, "gradient_scale", None)
+        scale = gradient_scale() if gradient_scale is not None else 1.0  # DeepSpeed's fp16 loss scale
         if skipped is None and getattr(self.source, "defers_skip_outcome", False):
-            self.window.record_pending(indices, grads, label, num_parameters, sharded)
+            self.window.record_pending(indices, grads, label, num_parameters, sharded, scale)
         else:
-            self.window.record(indices, grads, label, num_parameters, skipped, sharded)
+            self.window.record(indices, grads, label, num_parameters, skipped, sharded, scale)
         self._steps_seen += 1
         if loss is not None:
             self.record_loss(loss)

@@ -103,6 +103,13 @@ class DeepSpeedGradients:
         self.shards_gradients = True
         return tuple(i for i, _ in pairs), [g for _, g in pairs]
 
+    def gradient_scale(self) -> float | Tensor:
+        """What the gradients read are still multiplied by: DeepSpeed's fp16 loss scale (its optimizer divides it out
+        inside its step, after the guard read them), 1.0 in bf16 and fp32. A number DeepSpeed keeps on the host (or a
+        device tensor, for a custom scale): reading it is no sync."""
+        scale = getattr(getattr(self.engine, "optimizer", None), "loss_scale", None)
+        return 1.0 if scale is None else scale
+
     def skipped_last_step(self) -> bool:
         """Whether DeepSpeed skipped the step that just ran (non-finite gradients: nothing was applied).
 

@@ -70,24 +70,27 @@ class NonFiniteWindow:
         num_parameters: int,
         skipped: Tensor | bool | None = None,
         sharded: bool = False,
+        scale: float | Tensor = 1.0,
     ) -> None:
         """Record one optimizer step: ``grads[j]`` is the local gradient of parameter ``indices[j]``.
 
         ``skipped`` is True (a 0-d device tensor or a bool) when a loss scaler skipped this step: it was never
         applied. ``sharded``: this rank alone applies these gradients (a ZeRO partition, an FSDP shard), rather than
-        every rank the same ones (DDP); it says how their sum of squares adds up over the ranks.
+        every rank the same ones (DDP); it says how their sum of squares adds up over the ranks. ``scale``: what the
+        gradients are still multiplied by (a loss scale the optimizer divides out in its step), divided out of their
+        sum of squares.
         """
         self.settle(skipped=False)
-        self._count(self._observe(indices, grads, num_parameters, step, sharded), step, skipped)
+        self._count(self._observe(indices, grads, num_parameters, step, sharded, scale), step, skipped)
 
     def record_pending(self, indices: tuple[int, ...], grads: Sequence[Tensor], step: int, num_parameters: int,
-                       sharded: bool = False) -> None:
+                       sharded: bool = False, scale: float | Tensor = 1.0) -> None:
         """Record a step whose outcome (applied or skipped) is only known after the optimizer ran (DeepSpeed).
 
         :meth:`settle` completes it; a step still pending at the next record or summary counts as applied.
         """
         self.settle(skipped=False)
-        self._pending = (self._observe(indices, grads, num_parameters, step, sharded), step)
+        self._pending = (self._observe(indices, grads, num_parameters, step, sharded, scale), step)
 
     @property
     def has_pending_step(self) -> bool:
@@ -102,7 +105,7 @@ class NonFiniteWindow:
             self._count(non_finite, step, skipped)
 
     def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int, step: int,
-                 sharded: bool) -> Tensor:
+                 sharded: bool, scale: float | Tensor) -> Tensor:
         self.steps_recorded += 1
         self.pending_rejection = False
         if num_parameters > self.parameter_counts.numel():
@@ -110,7 +113,7 @@ class NonFiniteWindow:
             grown[: self.parameter_counts.numel()] = self.parameter_counts
             self.parameter_counts = grown
             self._every_index = tuple(range(num_parameters))
-        flags = self._flags(grads, step, sharded)
+        flags = self._flags(grads, step, sharded, scale)
         if flags is None:
             return self._false
         if indices == self._every_index:  # every parameter in index order (the usual step): no index tensor
@@ -119,12 +122,14 @@ class NonFiniteWindow:
             self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
         return flags.any()
 
-    def _flags(self, grads: Sequence[Tensor], step: int, sharded: bool) -> Tensor | None:
+    def _flags(self, grads: Sequence[Tensor], step: int, sharded: bool, scale: float | Tensor) -> Tensor | None:
         """The per-gradient non-finite flags (None without gradients); with step values, the step's sum of squares
         goes there, an empty step's as zero, so that every rank fills the same slots."""
         if self.step_values is None:
             return self._check(grads, self.device) if grads else None
         flags, squares = self._flags_and_squares(grads, self.device) if grads else (None, self._zero)
+        if isinstance(scale, Tensor) or scale != 1.0:  # a device tensor is divided out on the device, never read
+            squares = squares / (scale * scale)
         invalid = flags.any() if flags is not None else self._false
         self.step_values.record_step(squares if sharded else None, None if sharded else squares, invalid, step)
         return flags

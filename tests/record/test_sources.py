@@ -96,3 +96,25 @@ def test_a_deepspeed_strategy_of_either_lightning_package_gets_the_deepspeed_sou
     deepspeed = strategies.DeepSpeedStrategy.__new__(strategies.DeepSpeedStrategy)
     assert is_deepspeed_strategy(deepspeed)
     assert not is_deepspeed_strategy(strategies.DDPStrategy())
+
+
+def test_a_spike_gate_divides_deepspeeds_fp16_loss_scale_out_of_the_gradient_norm():
+    from lightning_ckguard import GradientGuard, SpikeGate
+    from lightning_ckguard.record.deepspeed_sources import DeepSpeedGradients
+
+    module = torch.nn.Linear(3, 1)
+    params = list(module.parameters())
+    unscaled = [torch.tensor([3.0, 0.0, 0.0]), torch.tensor([4.0])]  # a norm of 5
+    for loss_scale, expected_sharded in ((1024.0, True), (None, True)):
+        # ZeRO-2's partition slices still carry the loss scale at the optimizer step (fp16); bf16 has none
+        scale = loss_scale or 1.0
+        optimizer = SimpleNamespace(averaged_gradients={0: [g * scale for g in unscaled]},
+                                    params_in_partition=[params], loss_scale=loss_scale)
+        source = DeepSpeedGradients(_FakeEngine(optimizer), module)
+        guard = GradientGuard(module, source=source, spike_gate=SpikeGate(measures="grad_norm"))
+        guard.record(step=0)
+        guard.conclude_step()
+        assert source.shards_gradients is expected_sharded
+        verdict = guard.agree(None, global_step=1)
+        (level,) = verdict.spike_check.levels
+        assert level.window_max == pytest.approx(5.0), loss_scale
