@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_ckguard.record.finiteness import NonFiniteCheck, _dense_values
+from lightning_ckguard.record.finiteness import IndexTensors, NonFiniteCheck, _dense_values
 
 # dtypes whose float64 2-norm cannot overflow, so that its finiteness is the tensor's
 _ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,6 +30,7 @@ class FlagsAndSquares:
 
     def __init__(self, check: NonFiniteCheck | None = None) -> None:
         self._check = check if check is not None else NonFiniteCheck()
+        self._indices: dict[torch.device, IndexTensors] = {}
 
     def __call__(self, grads: Sequence[Tensor], out_device: torch.device) -> tuple[Tensor, Tensor]:
         values = [_dense_values(g) if g.layout != torch.strided or g.is_complex() else g for g in grads]
@@ -40,7 +41,8 @@ class FlagsAndSquares:
             squares = torch.where(flags, 0.0, norms.square()).sum()
             return flags.to(out_device, non_blocking=True), squares.to(out_device, non_blocking=True)
         flags = self._check(grads, out_device)
-        return flags, _squares_in_own_precision(values, flags, out_device)
+        indices = self._indices.setdefault(out_device, IndexTensors(out_device))
+        return flags, _squares_in_own_precision(values, flags, out_device, indices)
 
 
 def _one_pass(values: Sequence[Tensor]) -> bool:
@@ -50,7 +52,8 @@ def _one_pass(values: Sequence[Tensor]) -> bool:
     return device.type != "cpu" and all(v.device == device and v.dtype in _ONE_PASS_DTYPES for v in values)
 
 
-def _squares_in_own_precision(values: Sequence[Tensor], flags: Tensor, out_device: torch.device) -> Tensor:
+def _squares_in_own_precision(values: Sequence[Tensor], flags: Tensor, out_device: torch.device,
+                              indices: IndexTensors) -> Tensor:
     """The sum of squares of the finite ``values``, each tensor's norm in its own precision (fp16 in fp32)."""
     if not values:
         return torch.zeros((), dtype=torch.float64, device=out_device)
@@ -63,8 +66,7 @@ def _squares_in_own_precision(values: Sequence[Tensor], flags: Tensor, out_devic
         else:
             norms = torch.empty(len(values), dtype=torch.float64, device=out_device)
             for (_, dtype), members in by_group.items():
-                index = torch.tensor(members, dtype=torch.int64, device=out_device)
-                norms.index_copy_(0, index, _group_norms([values[i] for i in members], dtype, out_device))
+                norms.index_copy_(0, indices(members), _group_norms([values[i] for i in members], dtype, out_device))
     return torch.where(flags, 0.0, norms.square()).sum()
 
 

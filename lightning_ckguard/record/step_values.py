@@ -82,9 +82,11 @@ class StepValues:
             return
         loss = self._pending_loss
         finite = torch.isfinite(loss)
-        column = torch.stack([torch.where(finite, loss, 0.0), finite.to(torch.float64), (~finite).to(torch.float64)])
-        rows = self.values[[LOSS, LOSS_SEEN, INVALID], slot]
-        self.values[[LOSS, LOSS_SEEN, INVALID], slot] = torch.maximum(rows, column)
+        # views by plain slicing: a list index would copy an index tensor to the device every step
+        seen = self.values[LOSS : LOSS_SEEN + 1, slot]
+        torch.maximum(seen, torch.stack([torch.where(finite, loss, 0.0), finite.to(torch.float64)]), out=seen)
+        invalid = self.values[INVALID, slot]
+        torch.maximum(invalid, (~finite).to(torch.float64), out=invalid)
         self._pending_loss.zero_()
         self._loss_given = False
 

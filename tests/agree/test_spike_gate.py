@@ -180,6 +180,8 @@ def test_recording_with_the_gate_reads_nothing_back_and_communicates_nothing():
     assert ops.names, "the dispatch mode saw no ops at all"
     assert ops.host_reads == 0, [n for n in ops.names if n.split(".")[0] in HOST_READS]
     assert not any("c10d" in n or "all_reduce" in n for n in ops.names)
+    # nor makes a tensor of host values (an index list, say), which an accelerator would copy over every step
+    assert not any(n.startswith("lift_fresh") for n in ops.names), ops.names
 
 
 # ------------------------------------------------------------------ a guard with the gate
