@@ -3,7 +3,8 @@
 Recording overhead on CUDA for a >= 1B-parameter bf16 model: the guard's per-step read of every gradient against the
 floor (one plain read: ``torch._foreach_norm(ord=1)``-free per-tensor ``sum``) and against a fused AdamW step over
 the same parameters, which is what a training step pays anyway. Timed with CUDA events, interleaved, medians.
-Also checks that recording issues no host sync (``torch.cuda.set_sync_debug_mode("error")``).
+Also checks that recording issues no host sync (``torch.cuda.set_sync_debug_mode("error")``), with and without a
+spike gate (whose one fused float64 2-norm gives both the flags and the sum of squares).
 
     python benchmarks/gpu_overhead.py                      # ~1.2B bf16 parameters (~2.4 GB grads + 2.4 GB params)
     python benchmarks/gpu_overhead.py --billions 0.3       # smaller GPUs
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, table  # noqa: E402
 
-from lightning_ckguard import GradientGuard  # noqa: E402
+from lightning_ckguard import GradientGuard, SpikeGate  # noqa: E402
 from lightning_ckguard.record.finiteness import NonFiniteCheck  # noqa: E402
 
 
@@ -64,6 +65,8 @@ def main() -> None:
     module = torch.nn.Module()
     module.params = torch.nn.ParameterList(params)
     guard = GradientGuard(module)
+    gated = GradientGuard(module, spike_gate=SpikeGate())  # one fused fp64 2-norm: the flags and the squares
+    loss = torch.ones((), device=device)
     check = NonFiniteCheck()
     grads = [p.grad for p in params]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
@@ -71,6 +74,7 @@ def main() -> None:
         "floor (per-tensor sum)": lambda: [g.sum() for g in grads],
         "NonFiniteCheck": lambda: check(grads, device),
         "GradientGuard.record": lambda: guard.record(),
+        "GradientGuard.record, SpikeGate": lambda: gated.record(loss=loss),
         "AdamW step (fused)": optimizer.step,
     }
     for fn in rows.values():  # warm up, build plans and caches
@@ -78,6 +82,7 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host sync while recording raises
     guard.record()
+    gated.record(loss=loss)
     torch.cuda.set_sync_debug_mode(0)
     times: dict[str, list[float]] = {name: [] for name in rows}
     for repeat in range(args.repeats):
