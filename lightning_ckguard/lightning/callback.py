@@ -218,9 +218,9 @@ class GuardedCheckpoint(_CheckpointBase):
             fit.finish(during_exception=True)
 
     def admit_save(self, trainer: pl.Trainer, filepath: str) -> bool:
-        """Gate for every checkpoint write of the Trainer (see ``PublicationSeal``): our own accepted boundary
-        passes; any other write passes the same agreement first (:meth:`GuardedFit.admit_save
-        <lightning_ckguard.lightning.fit.GuardedFit.admit_save>` says what a rejection does)."""
+        """Gate for every checkpoint write of the Trainer (see ``PublicationSeal``): our own accepted boundary passes;
+        any other write agrees first, and a rejection applies ``on_non_finite`` in a running fit and raises outside
+        one. After a rejection every later write is refused (a warning in a fit or an exception, else raised)."""
         if own_transaction(self) is not None:
             return True  # our own boundary's write: its agreement was the first file operation
         if self._fit is None or self._fit.trainer is not trainer:
