@@ -47,7 +47,8 @@ class SpikeGate:
             ``training_step`` returned, summed over the micro-batches of an accumulated step as Lightning scales
             them) and ``"grad_norm"`` (the 2-norm of all gradients the step applied, over every rank's shard).
         factor: A step spikes when its value is more than ``factor`` times the baseline (the median of the accepted
-            history) ...
+            history; a baseline of 0 or below, a negative log-likelihood say, leaves only the deviations to decide)
+            ...
         deviations: ... and more than ``deviations`` robust standard deviations above it (1.4826 times the
             history's median absolute deviation).
         warmup_steps: Accepted steps learned before anything can spike.

@@ -82,11 +82,13 @@ class StepValues:
             return
         loss = self._pending_loss
         finite = torch.isfinite(loss)
-        # views by plain slicing: a list index would copy an index tensor to the device every step
-        seen = self.values[LOSS : LOSS_SEEN + 1, slot]
-        torch.maximum(seen, torch.stack([torch.where(finite, loss, 0.0), finite.to(torch.float64)]), out=seen)
-        invalid = self.values[INVALID, slot]
-        torch.maximum(invalid, (~finite).to(torch.float64), out=invalid)
+        # views by plain slicing (a list index would copy an index tensor to the device every step)
+        column = self.values[:, slot]
+        value = torch.where(finite, loss, 0.0)
+        # the larger of the slot's loss and this one if the slot holds one; else this one (it may be negative)
+        column[LOSS].copy_(torch.where(column[LOSS_SEEN] > 0, torch.maximum(column[LOSS], value), value))
+        column[LOSS_SEEN].copy_(torch.maximum(column[LOSS_SEEN], finite.to(torch.float64)))
+        column[INVALID].copy_(torch.maximum(column[INVALID], (~finite).to(torch.float64)))
         self._pending_loss.zero_()
         self._loss_given = False
 
@@ -118,7 +120,11 @@ class StepValues:
 
     def _fold(self) -> None:
         half = self.capacity // 2
-        folded = torch.maximum(self.values[:, 0::2], self.values[:, 1::2])
+        even, odd = self.values[:, 0::2], self.values[:, 1::2]
+        folded = torch.maximum(even, odd)
+        # a loss only where a step gave one: the larger of two, else the one there is (it may be negative)
+        both = (even[LOSS_SEEN] > 0) & (odd[LOSS_SEEN] > 0)
+        folded[LOSS] = torch.where(both, folded[LOSS], torch.where(even[LOSS_SEEN] > 0, even[LOSS], odd[LOSS]))
         self.values[:, :half] = folded
         self.values[:, half:] = 0
         self.labels = [[self.labels[2 * i][0], self.labels[2 * i + 1][1]] for i in range(half)]

@@ -236,3 +236,15 @@ def test_a_finite_spike_rejects_with_its_step_value_and_baseline_and_teaches_not
 def test_an_error_without_spikes_keeps_the_fields_of_earlier_releases():
     error = NonFiniteGradientError(ranks=[1], first_step=3, last_step=3, num_steps=1, global_step=4)
     assert "spikes" not in error.fields() and error.spikes == ()
+
+
+def test_negative_losses_are_kept_as_they_are_in_their_slots_and_folds():
+    values = StepValues(torch.device("cpu"), capacity=2)
+    zero, finite = torch.zeros((), dtype=torch.float64), torch.tensor(False)
+    for step, loss in enumerate([-2.0, -1.5, -1.75]):
+        values.record_step(None, zero, finite, step)
+        values.add_loss(torch.tensor(loss))
+        values.close_step()
+    # 3 steps in 2 slots: steps 0-1 folded into one (the larger, -1.5), step 2 alone; an empty slot is not a 0 loss
+    assert values.labels == [[0, 1], [2, 2]]
+    assert values.summary().view(rows.ROWS, 2)[rows.LOSS].tolist() == [-1.5, -1.75]
