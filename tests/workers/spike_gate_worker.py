@@ -3,14 +3,18 @@
 
     python spike_gate_worker.py KIND OUT_DIR [SCENARIO ...]
 
-``KIND`` is ``ddp`` (replicated gradients, all-reduced) or ``fsdp2`` (``ModelParallelStrategy`` with ``fully_shard``:
-each rank holds DTensor shards of the averaged gradients). The model is a small regression MLP with an MSE loss,
-trained with Adam; each rank's batch ``i`` is a deterministic function of ``(rank, i)`` (no sampler, no shuffle), so
-any run can be replayed in one process on the concatenated global batches. At step ``SPIKE_STEP`` rank 1's targets
-are multiplied by 1e3: every value stays finite, but the step's loss (the mean over the ranks) and its global
-gradient norm jump far above their baselines. A checkpoint every step (``every_n_train_steps=1``, ``save_top_k=-1``)
-makes every window one step; the gate warms up in 3 steps. Every rank runs every scenario in one process group (60 s
-collective timeouts) and writes what it observed to ``OUT_DIR/rank{N}.json``:
+``KIND`` is ``ddp`` (replicated gradients, all-reduced), ``fsdp2`` (``ModelParallelStrategy`` with ``fully_shard``:
+each rank holds DTensor shards of the averaged gradients) or ``ds2`` (DeepSpeed ZeRO-2 through
+``tests/deepspeed_shim.py``, bf16-mixed as in the rewind worker: each rank holds its partition of the flat gradients,
+and DeepSpeed reports its own global gradient norm, ``engine.get_global_grad_norm()``).
+
+The model is a small regression MLP with an MSE loss, trained with Adam; each rank's batch ``i`` is a deterministic
+function of ``(rank, i)`` (no sampler, no shuffle), so any run can be replayed in one process on the concatenated
+global batches. At step ``SPIKE_STEP`` rank 1's targets are multiplied by 1e3: every value stays finite, but the
+step's loss (the mean over the ranks) and its global gradient norm jump far above their baselines. A checkpoint every
+step (``every_n_train_steps=1``, ``save_top_k=-1``) makes every window one step; the gate warms up in 3 steps. Every
+rank runs every scenario in one process group (60 s collective timeouts) and writes what it observed to
+``OUT_DIR/rank{N}.json``:
 
 - ``reference``: the data without batch ``SPIKE_STEP`` (on every rank), ``max_steps=STEPS - 1``: nothing spikes;
 - ``rewind``: the spiked data, ``on_non_finite="rewind"``, ``max_steps=STEPS``: the boundary after the spike is
@@ -19,14 +23,16 @@ collective timeouts) and writes what it observed to ``OUT_DIR/rank{N}.json``:
 - ``raise``: the spiked data, ``on_non_finite="raise"``: every rank raises the same error at the boundary after it.
 
 Each scenario records per boundary what the gate measured (its levels' window maxima: with one-step windows, the
-step's global loss and gradient norm), per step the 2-norm of the full, unsharded gradients (``full_tensor()`` of
-each shard, then ``clip_grad_norm_``), and, for comparison, the same steps replayed in one process without any
-distribution on the concatenated global batches (``torch.nn.utils.clip_grad_norm_`` of plain gradients).
+step's global loss and gradient norm); per step the 2-norm of the full, unsharded gradients (``full_tensor()`` of
+each shard, then ``clip_grad_norm_``), or under DeepSpeed its own global norm; and, for comparison, the same steps
+replayed in one process without any distribution on the concatenated global batches (``clip_grad_norm_`` of plain
+gradients).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 import tempfile
@@ -132,11 +138,13 @@ def _full(tensor: Tensor) -> Tensor:
 
 
 class GateProbe(Callback):
-    """What the gate measured at each boundary, and the full gradients' norm of each step."""
+    """What the gate measured at each boundary, and the full gradients' norm of each step (under DeepSpeed, whose
+    gradients are not in ``param.grad``, the norm DeepSpeed computed itself)."""
 
     def __init__(self) -> None:
         self.verdicts: dict[int, dict[str, Any]] = {}
         self.unsharded_norms: dict[int, float] = {}
+        self.deepspeed_norms: dict[int, float] = {}
 
     def note_verdict(self, trainer: Any) -> None:
         verdict = trainer.checkpoint_callback.last_verdict
@@ -150,7 +158,14 @@ class GateProbe(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.note_verdict(trainer)
 
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        engine = getattr(trainer.strategy, "deepspeed_engine", None)
+        if engine is not None:  # before the checkpoint callback's boundary (Lightning runs those last)
+            self.deepspeed_norms[int(trainer.global_step) - 1] = float(engine.get_global_grad_norm())
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if hasattr(trainer.strategy, "deepspeed_engine"):
+            return  # no param.grad: DeepSpeed's own norm is read after the step
         # a plain copy of the full gradients: DDP's are whole already, FSDP2's shards are gathered
         copies = []
         for param in pl_module.parameters():
@@ -188,6 +203,9 @@ def checkpoint_weights(path: str) -> dict[str, Any]:
     """The model weights a checkpoint on disk holds (a file, or FSDP2's distributed checkpoint), read here alone."""
     if os.path.isfile(path):
         state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    elif os.path.isdir(os.path.join(path, "checkpoint")):  # DeepSpeed ZeRO-2: the (bf16) module, whole
+        module_file = os.path.join(path, "checkpoint", "mp_rank_00_model_states.pt")
+        state = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
     else:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -208,7 +226,13 @@ def run(root: str, name: str, kind: str, indices: list[int], spiked: bool, on_no
                                     every_n_train_steps=1, filename="{step}", on_non_finite=on_non_finite,
                                     spike_gate=gate())
     probe = GateProbe()
-    trainer = Trainer(strategy=make_strategy(kind, timeout=TIMEOUT), devices=2, precision="32-true",
+    if kind == "ds2":  # as the rewind worker: bf16 with DeepSpeed's overflow check off
+        precision = "bf16-mixed"
+        strategy = make_strategy(kind, timeout=TIMEOUT, precision=precision, check_grad_overflow=False)
+    else:
+        precision = "32-true"
+        strategy = make_strategy(kind, timeout=TIMEOUT)
+    trainer = Trainer(strategy=strategy, devices=2, precision=precision,  # type: ignore[arg-type]
                       callbacks=[probe, callback], max_steps=max_steps, limit_val_batches=0,
                       use_distributed_sampler=False, **QUIET)
     result = fit_outcome(lambda: trainer.fit(model))
@@ -218,8 +242,9 @@ def run(root: str, name: str, kind: str, indices: list[int], spiked: bool, on_no
         global_step=trainer.global_step,
         verdicts={str(step): fields for step, fields in sorted(probe.verdicts.items())},
         unsharded_norms={str(step): norm for step, norm in sorted(probe.unsharded_norms.items())},
+        deepspeed_norms={str(step): norm for step, norm in sorted(probe.deepspeed_norms.items())},
         # a run without a rewind replayed in one process, as far as it trained
-        replay=replay(initial, indices[: len(probe.unsharded_norms)], spiked) if replayed else None,
+        replay=replay(initial, indices[: len(probe.verdicts)], spiked) if replayed else None,
         last_report={"accepted": report.accepted, "global_step": report.global_step, "ranks": list(report.ranks),
                      "spikes": [asdict(s) for s in report.spikes]} if report is not None else None,
         rewinds=[r.as_dict() for r in callback.rewinds],
@@ -248,6 +273,13 @@ def scenarios(kind: str) -> dict[str, Any]:
 
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
+    if kind.startswith("ds"):
+        import deepspeed_shim
+
+        if deepspeed_shim.DEEPSPEED_UNAVAILABLE:  # before any Trainer: rank 1 is never launched
+            with open(os.path.join(out, "rank0.json"), "w") as f:
+                json.dump({"unavailable": deepspeed_shim.DEEPSPEED_UNAVAILABLE}, f)
+            return
     run_scenarios(scenarios(kind), out, set(sys.argv[3:]))
 
 
