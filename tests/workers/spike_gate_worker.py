@@ -20,7 +20,9 @@ rank runs every scenario in one process group (60 s collective timeouts) and wri
 - ``rewind``: the spiked data, ``on_non_finite="rewind"``, ``max_steps=STEPS``: the boundary after the spike is
   rejected, every rank goes back to the checkpoint published before it and trains on with the next batch, so every
   later checkpoint should be ``reference``'s (one global step later);
-- ``raise``: the spiked data, ``on_non_finite="raise"``: every rank raises the same error at the boundary after it.
+- ``raise``: the spiked data, ``on_non_finite="raise"``: every rank raises the same error at the boundary after it;
+- ``negative-loss`` (DDP only, Trainer-free): a ``GradientGuard`` per rank on the process group, one agreement per
+  step, with negative losses (a log-likelihood's, say): what the gate reads as the global loss of each step.
 
 Each scenario records per boundary what the gate measured (its levels' window maxima: with one-step windows, the
 step's global loss and gradient norm); per step the 2-norm of the full, unsharded gradients (``full_tensor()`` of
@@ -258,10 +260,35 @@ def run(root: str, name: str, kind: str, indices: list[int], spiked: bool, on_no
     return result
 
 
+NEGATIVE_LOSSES = [-2.0, -1.5, -1.8, -1.7, -1.6, 0.5]  # rank r gives each plus 0.1 * r
+
+
+def negative_loss(root: str) -> dict[str, Any]:
+    """Each rank records a step per loss of ``NEGATIVE_LOSSES`` (plus ``0.1 * rank``) and agrees after each, on the
+    process group the earlier scenarios left (no Trainer): the gate's global loss per step, and its verdicts."""
+    from lightning_ckguard import GradientGuard
+
+    torch.manual_seed(0)
+    rank = torch.distributed.get_rank()
+    module = nn.Linear(2, 1)
+    guard = GradientGuard(module, spike_gate=gate())
+    steps = []
+    for step, loss in enumerate(NEGATIVE_LOSSES):
+        module(torch.ones(1, 2)).sum().backward()
+        guard.record(None, step=step, loss=torch.tensor(loss + 0.1 * rank))
+        verdict = guard.agree(torch.distributed.group.WORLD, global_step=step + 1)
+        levels = {level.measure: level.window_max for level in verdict.spike_check.levels}
+        steps.append({"loss": levels["loss"], "accepted": verdict.accepted,
+                      "spikes": [spike.measure for spike in verdict.spike_check.spikes]})
+        guard.reset()
+        module.zero_grad()
+    return {"steps": steps}
+
+
 def scenarios(kind: str) -> dict[str, Any]:
     everything = list(range(STEPS))
     without_spike = [i for i in everything if i != SPIKE_STEP]
-    return {
+    table: dict[str, Any] = {
         "reference": lambda root: run(root, f"{kind}-reference", kind, without_spike, spiked=False,
                                       on_non_finite="rewind", max_steps=STEPS - 1),
         "rewind": lambda root: run(root, f"{kind}-rewind", kind, everything, spiked=True, on_non_finite="rewind",
@@ -269,6 +296,9 @@ def scenarios(kind: str) -> dict[str, Any]:
         "raise": lambda root: run(root, f"{kind}-raise", kind, everything, spiked=True, on_non_finite="raise",
                                   max_steps=STEPS),
     }
+    if kind == "ddp":
+        table["negative-loss"] = negative_loss
+    return table
 
 
 def main() -> None:
