@@ -1,0 +1,317 @@
+"""Two-rank CPU/gloo scenarios for the spike gate (``SpikeGate``, issue 28), run by
+``tests/recover/test_spike_gate.py``:
+
+    python spike_gate_worker.py KIND OUT_DIR [SCENARIO ...]
+
+``KIND`` is ``ddp`` (replicated gradients, all-reduced), ``fsdp2`` (``ModelParallelStrategy`` with ``fully_shard``:
+each rank holds DTensor shards of the averaged gradients) or ``ds2`` (DeepSpeed ZeRO-2 through
+``tests/deepspeed_shim.py``, bf16-mixed as in the rewind worker: each rank holds its partition of the flat gradients,
+and DeepSpeed reports its own global gradient norm, ``engine.get_global_grad_norm()``).
+
+The model is a small regression MLP with an MSE loss, trained with Adam; each rank's batch ``i`` is a deterministic
+function of ``(rank, i)`` (no sampler, no shuffle), so any run can be replayed in one process on the concatenated
+global batches. At step ``SPIKE_STEP`` rank 1's targets are multiplied by 1e3: every value stays finite, but the
+step's loss (the mean over the ranks) and its global gradient norm jump far above their baselines. A checkpoint every
+step (``every_n_train_steps=1``, ``save_top_k=-1``) makes every window one step; the gate warms up in 3 steps. Every
+rank runs every scenario in one process group (60 s collective timeouts) and writes what it observed to
+``OUT_DIR/rank{N}.json``:
+
+- ``reference``: the data without batch ``SPIKE_STEP`` (on every rank), ``max_steps=STEPS - 1``: nothing spikes;
+- ``rewind``: the spiked data, ``on_non_finite="rewind"``, ``max_steps=STEPS``: the boundary after the spike is
+  rejected, every rank goes back to the checkpoint published before it and trains on with the next batch, so every
+  later checkpoint should be ``reference``'s (one global step later);
+- ``raise``: the spiked data, ``on_non_finite="raise"``: every rank raises the same error at the boundary after it;
+- ``negative-loss`` (DDP only, Trainer-free): a ``GradientGuard`` per rank on the process group, one agreement per
+  step, with negative losses (a log-likelihood's, say): what the gate reads as the global loss of each step.
+
+Each scenario records per boundary what the gate measured (its levels' window maxima: with one-step windows, the
+step's global loss and gradient norm); per step the 2-norm of the full, unsharded gradients (``full_tensor()`` of
+each shard, then ``clip_grad_norm_``), or under DeepSpeed its own global norm; and, for comparison, the same steps
+replayed in one process without any distribution on the concatenated global batches (``clip_grad_norm_`` of plain
+gradients).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import tempfile
+import warnings
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any, Literal
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch import LightningModule, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from strategies import make_strategy  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from helpers import QUIET, fit_outcome, ledger_state, run_scenarios  # noqa: E402
+from lightning_ckguard import FiniteGradCheckpoint, SpikeGate  # noqa: E402
+from lightning_ckguard.recover.rewind import REWIND_LOG_NAME  # noqa: E402
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+TIMEOUT = timedelta(seconds=60)
+
+SPIKE_STEP = 5  # the optimizer step (and batch index) whose targets rank 1 multiplies
+SPIKE_FACTOR = 1e3
+STEPS = 10
+ROWS, FEATURES, HIDDEN, OUTPUTS = 4, 8, 16, 2
+LR = 0.01
+WORLD_SIZE = 2
+
+
+def gate() -> SpikeGate:
+    return SpikeGate(warmup_steps=3, history=50)
+
+
+def batch(rank: int, index: int, spiked: bool) -> tuple[Tensor, Tensor]:
+    """Rank ``rank``'s batch ``index``: a noisy linear teacher; rank 1's targets times 1e3 at the spike."""
+    generator = torch.Generator().manual_seed(1000 * rank + index)
+    x = torch.randn(ROWS, FEATURES, generator=generator)
+    teacher = torch.linspace(-1.0, 1.0, FEATURES * OUTPUTS).reshape(FEATURES, OUTPUTS)
+    y = x @ teacher + 0.1 * torch.randn(ROWS, OUTPUTS, generator=generator)
+    if spiked and rank == 1 and index == SPIKE_STEP:
+        y = y * SPIKE_FACTOR
+    return x, y
+
+
+class Batches(Dataset):
+    """Rank ``rank``'s batches at ``indices``, in order (one item is one whole batch)."""
+
+    def __init__(self, rank: int, indices: list[int], spiked: bool) -> None:
+        self.rank, self.indices, self.spiked = rank, indices, spiked
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return batch(self.rank, self.indices[i], self.spiked)
+
+
+def make_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUTPUTS))
+
+
+class Regression(LightningModule):
+    def __init__(self, indices: list[int], spiked: bool, fsdp2: bool) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.indices, self.spiked, self.fsdp2 = indices, spiked, fsdp2
+
+    def configure_model(self) -> None:
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            assert self.device_mesh is not None
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.layers():
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def layers(self) -> list[nn.Module]:
+        return [layer for layer in self.net.children() if isinstance(layer, nn.Linear)]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Batches(self.global_rank, self.indices, self.spiked), batch_size=None, shuffle=False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=LR)
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """The whole tensor (a collective for a DTensor: every rank calls it together)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class GateProbe(Callback):
+    """What the gate measured at each boundary, and the full gradients' norm of each step (under DeepSpeed, whose
+    gradients are not in ``param.grad``, the norm DeepSpeed computed itself)."""
+
+    def __init__(self) -> None:
+        self.verdicts: dict[int, dict[str, Any]] = {}
+        self.unsharded_norms: dict[int, float] = {}
+        self.deepspeed_norms: dict[int, float] = {}
+
+    def note_verdict(self, trainer: Any) -> None:
+        verdict = trainer.checkpoint_callback.last_verdict
+        if verdict is not None and verdict.global_step not in self.verdicts:
+            self.verdicts[verdict.global_step] = {
+                "accepted": verdict.accepted,
+                "levels": {level.measure: level.window_max for level in verdict.spike_check.levels},
+                "baselines": {level.measure: level.baseline for level in verdict.spike_check.levels},
+            }
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.note_verdict(trainer)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        engine = getattr(trainer.strategy, "deepspeed_engine", None)
+        if engine is not None:  # before the checkpoint callback's boundary (Lightning runs those last)
+            self.deepspeed_norms[int(trainer.global_step) - 1] = float(engine.get_global_grad_norm())
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if hasattr(trainer.strategy, "deepspeed_engine"):
+            return  # no param.grad: DeepSpeed's own norm is read after the step
+        # a plain copy of the full gradients: DDP's are whole already, FSDP2's shards are gathered
+        copies = []
+        for param in pl_module.parameters():
+            if param.grad is not None:
+                copy_ = nn.Parameter(_full(param.detach()).clone())
+                copy_.grad = _full(param.grad).detach().clone()
+                copies.append(copy_)
+        norm = torch.nn.utils.clip_grad_norm_(copies, max_norm=float("inf"))
+        self.unsharded_norms[int(trainer.global_step)] = float(norm)
+
+
+def replay(initial: dict[str, Tensor], indices: list[int], spiked: bool) -> list[dict[str, float]]:
+    """The same training in this one process, no distribution: each step on the concatenation of every rank's batch
+    (the mean over it is the mean of the ranks' means). Returns each step's loss and gradient norm."""
+    net = make_net()
+    net.load_state_dict(initial)
+    optimizer = torch.optim.Adam(net.parameters(), lr=LR)
+    steps = []
+    for index in indices:
+        xs, ys = zip(*(batch(rank, index, spiked) for rank in range(WORLD_SIZE)), strict=True)
+        loss = F.mse_loss(net(torch.cat(xs)), torch.cat(ys))
+        optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=float("inf"))
+        optimizer.step()
+        steps.append({"loss": float(loss), "grad_norm": float(norm)})
+    return steps
+
+
+def _lists(state: dict[str, Tensor]) -> dict[str, Any]:
+    return {name: tensor.detach().float().cpu().tolist() for name, tensor in state.items()}
+
+
+def checkpoint_weights(path: str) -> dict[str, Any]:
+    """The model weights a checkpoint on disk holds (a file, or FSDP2's distributed checkpoint), read here alone."""
+    if os.path.isfile(path):
+        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    elif os.path.isdir(os.path.join(path, "checkpoint")):  # DeepSpeed ZeRO-2: the (bf16) module, whole
+        module_file = os.path.join(path, "checkpoint", "mp_rank_00_model_states.pt")
+        state = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            converted = os.path.join(tmp, "full.pt")
+            dcp_to_torch_save(path, converted)
+            state = torch.load(converted, map_location="cpu", weights_only=False)["state_dict"]
+    return _lists(state)
+
+
+def run(root: str, name: str, kind: str, indices: list[int], spiked: bool, on_non_finite: Literal["raise", "rewind"],
+        max_steps: int, replayed: bool = True) -> dict[str, Any]:
+    seed_everything(7)
+    dirpath = os.path.join(root, name)
+    model = Regression(indices, spiked, fsdp2=kind == "fsdp2")
+    initial = copy.deepcopy(model.net.state_dict())
+    callback = FiniteGradCheckpoint(dirpath=dirpath, monitor="step", mode="max", save_top_k=-1,
+                                    every_n_train_steps=1, filename="{step}", on_non_finite=on_non_finite,
+                                    spike_gate=gate())
+    probe = GateProbe()
+    if kind == "ds2":  # as the rewind worker: bf16 with DeepSpeed's overflow check off
+        precision = "bf16-mixed"
+        strategy = make_strategy(kind, timeout=TIMEOUT, precision=precision, check_grad_overflow=False)
+    else:
+        precision = "32-true"
+        strategy = make_strategy(kind, timeout=TIMEOUT)
+    trainer = Trainer(strategy=strategy, devices=2, precision=precision,  # type: ignore[arg-type]
+                      callbacks=[probe, callback], max_steps=max_steps, limit_val_batches=0,
+                      use_distributed_sampler=False, **QUIET)
+    result = fit_outcome(lambda: trainer.fit(model))
+    probe.note_verdict(trainer)
+    report = callback.last_report
+    result.update(
+        global_step=trainer.global_step,
+        verdicts={str(step): fields for step, fields in sorted(probe.verdicts.items())},
+        unsharded_norms={str(step): norm for step, norm in sorted(probe.unsharded_norms.items())},
+        deepspeed_norms={str(step): norm for step, norm in sorted(probe.deepspeed_norms.items())},
+        # a run without a rewind replayed in one process, as far as it trained
+        replay=replay(initial, indices[: len(probe.verdicts)], spiked) if replayed else None,
+        last_report={"accepted": report.accepted, "global_step": report.global_step, "ranks": list(report.ranks),
+                     "spikes": [asdict(s) for s in report.spikes]} if report is not None else None,
+        rewinds=[r.as_dict() for r in callback.rewinds],
+        state=ledger_state(callback),
+        weights=_lists({n: _full(p.detach()) for n, p in model.named_parameters()}),
+    )
+    if trainer.global_rank == 0:
+        entries = sorted(os.listdir(dirpath)) if os.path.isdir(dirpath) else []
+        result["entries"] = entries
+        result["files"] = {e: checkpoint_weights(os.path.join(dirpath, e)) for e in entries if e != REWIND_LOG_NAME}
+    return result
+
+
+NEGATIVE_LOSSES = [-2.0, -1.5, -1.8, -1.7, -1.6, 0.5]  # rank r gives each plus 0.1 * r
+
+
+def negative_loss(root: str) -> dict[str, Any]:
+    """Each rank records a step per loss of ``NEGATIVE_LOSSES`` (plus ``0.1 * rank``) and agrees after each, on the
+    process group the earlier scenarios left (no Trainer): the gate's global loss per step, and its verdicts."""
+    from lightning_ckguard import GradientGuard
+
+    torch.manual_seed(0)
+    rank = torch.distributed.get_rank()
+    module = nn.Linear(2, 1)
+    guard = GradientGuard(module, spike_gate=gate())
+    steps = []
+    for step, loss in enumerate(NEGATIVE_LOSSES):
+        module(torch.ones(1, 2)).sum().backward()
+        guard.record(None, step=step, loss=torch.tensor(loss + 0.1 * rank))
+        verdict = guard.agree(torch.distributed.group.WORLD, global_step=step + 1)
+        levels = {level.measure: level.window_max for level in verdict.spike_check.levels}
+        steps.append({"loss": levels["loss"], "accepted": verdict.accepted,
+                      "spikes": [spike.measure for spike in verdict.spike_check.spikes]})
+        guard.reset()
+        module.zero_grad()
+    return {"steps": steps}
+
+
+def scenarios(kind: str) -> dict[str, Any]:
+    everything = list(range(STEPS))
+    without_spike = [i for i in everything if i != SPIKE_STEP]
+    table: dict[str, Any] = {
+        "reference": lambda root: run(root, f"{kind}-reference", kind, without_spike, spiked=False,
+                                      on_non_finite="rewind", max_steps=STEPS - 1),
+        "rewind": lambda root: run(root, f"{kind}-rewind", kind, everything, spiked=True, on_non_finite="rewind",
+                                   max_steps=STEPS, replayed=False),
+        "raise": lambda root: run(root, f"{kind}-raise", kind, everything, spiked=True, on_non_finite="raise",
+                                  max_steps=STEPS),
+    }
+    if kind == "ddp":
+        table["negative-loss"] = negative_loss
+    return table
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+    if kind.startswith("ds"):
+        import deepspeed_shim
+
+        if deepspeed_shim.DEEPSPEED_UNAVAILABLE:  # before any Trainer: rank 1 is never launched
+            with open(os.path.join(out, "rank0.json"), "w") as f:
+                json.dump({"unavailable": deepspeed_shim.DEEPSPEED_UNAVAILABLE}, f)
+            return
+    run_scenarios(scenarios(kind), out, set(sys.argv[3:]))
+
+
+if __name__ == "__main__":
+    main()
