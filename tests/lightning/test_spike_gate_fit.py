@@ -2,7 +2,7 @@
 1e3) is rejected with its step, value and baseline; ``"rewind"`` goes back and ends where a run that never saw the
 bad batch ends; the loss of an accumulated step is what Lightning counts; the ``ckguard/*`` levels reach the logger.
 
-2-process runs (DDP, FSDP2) are in ``tests/recover/test_spike_gate.py``.
+2-process runs (DDP, FSDP2, DeepSpeed ZeRO-2) are in ``tests/recover/test_spike_gate.py``.
 """
 
 from __future__ import annotations

@@ -185,11 +185,9 @@ def test_replicated_and_sharded_gradients_give_the_gate_the_same_values(worker_r
 NEGATIVE_LOSSES = [-2.0, -1.5, -1.8, -1.7, -1.6, 0.5]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: StepValues.close_step (lightning_ckguard/record/step_values.py) writes a step's loss as "
-    "torch.maximum(slot, loss) into a slot that starts at 0, so a negative loss is recorded as 0 (on each rank, "
-    "before the sum): the gate's global loss is wrong, its baseline is 0, and the first positive loss spikes"))
 def test_the_gate_reads_negative_losses_as_they_are(worker_results):
+    # a slot starts at 0: a step's loss once went in as max(0, loss), a negative one as 0, before the sum
+    # (the first positive loss after a negative baseline of 0 then spiked)
     ranks = results_for("ddp", worker_results)
     steps = [results["negative-loss"]["steps"] for results in ranks]
     assert steps[0] == steps[1], "every rank reads the same"
