@@ -32,7 +32,7 @@ Then where the gate's record cost goes: the same gradients read by each piece, i
                AdamW, 40 rounds
   mlp          end_to_end.py's 784-2048-2048-10 MLP (5.8M parameters), batch 256, AdamW, 200 rounds
 
-    python benchmarks/spike_gate.py --threads 1 --parts fp sanity     # part 1, ~10 min (not timed: no lock)
+    python benchmarks/spike_gate.py --threads 1 --parts fp sanity     # part 1, ~15 min (not timed: no lock)
     python benchmarks/spike_gate.py --parts fp --steps 300 --seeds 0  # a quick look
     flock /tmp/mp.lock python benchmarks/spike_gate.py --parts cost   # part 2, timed, ~5 min on 2 cores
 """
