@@ -535,6 +535,8 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
         "squares: _foreach_norm fp32 + sum": lambda: _squares_in_own_precision(grads, flags, cpu),
         "squares: _foreach_norm fp64": lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)),
         "proposal: flags and squares, one fp32 pass": lambda: one_pass(grads, cpu),
+        "squares: per-tensor dot (BLAS sdot), fp32": lambda: torch.stack([torch.dot(g.view(-1), g.view(-1))
+                                                                          for g in grads]),
         "StepValues record_step + loss": step_values,
         "floor: per-tensor sum": lambda: [g.sum() for g in grads],
     }
