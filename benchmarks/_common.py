@@ -137,3 +137,69 @@ def recorded_guard(nan: bool) -> tuple[torch.nn.Module, Any]:
     guard = GradientGuard(model)
     guard.record(step=0)
     return model, guard
+
+
+# ---------------------------------------------------------------------- counting host reads and collectives
+
+#: ATen ops that copy a value to the host (a host sync on an accelerator); the same list as ``tests/helpers.py``.
+HOST_READS = ("_local_scalar_dense", "is_nonzero", "nonzero", "equal", "allclose")
+#: ``torch.distributed`` functions counted as collectives by :class:`CountOps`.
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "barrier",
+               "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
+               "scatter", "send", "recv", "isend", "irecv")
+
+
+class CountOps:
+    """Counts, while active, the ATen ops dispatched (by name; ``host_reads`` those of :data:`HOST_READS`) and the
+    calls of ``torch.distributed``'s collectives (``collectives``: those patched by name, plus any ``c10d`` op seen
+    by the dispatcher). A small equivalent of ``tests/helpers.CountOps``; the benchmarks do not import the tests."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.collective_calls: list[str] = []
+        self._mode: Any = None
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CountOps:
+        import torch.distributed as dist
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                counter.names.append(func.__name__)
+                if "c10d" in getattr(func, "namespace", ""):
+                    counter.collective_calls.append(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+                counter.collective_calls.append(_name)
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        self._mode.__exit__(*exc)
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
+
+    @property
+    def host_reads(self) -> int:
+        return sum(1 for n in self.names if n.split(".")[0] in HOST_READS)
+
+    @property
+    def collectives(self) -> int:
+        return len(self.collective_calls)
