@@ -364,11 +364,12 @@ def cost_model(name: str) -> tuple[nn.Module, object]:
 
 
 class OnePassSquares:
-    """A PROPOSAL, measured here only (not the library's code): on CPU, for fp32 gradients, the flags and the sum of
-    squares from ONE fp32 ``_foreach_norm`` pass, as the accelerator path does in float64. A tensor with a NaN or an
-    inf has a non-finite norm, so every non-finite gradient is still flagged; what is lost is exactness the other way:
-    a finite fp32 gradient whose norm overflows fp32 (above ~1.8e19) is flagged as non-finite (today it is a value
-    of inf for the gate, which rejects the boundary as a spike: a rejection either way, with another name)."""
+    """A PROPOSAL, measured here only and not taken (it would break exact finiteness, invariant 7): on CPU, for fp32
+    gradients, the flags and the sum of squares from ONE fp32 ``_foreach_norm`` pass, as the accelerator path does
+    in float64. A tensor with a NaN or an inf has a non-finite norm, so every non-finite gradient is still flagged;
+    what is lost is exactness the other way: a finite fp32 gradient whose norm overflows fp32 (above ~1.8e19) is
+    flagged as non-finite (in the library it is a value of inf for the gate, which rejects the boundary as a spike:
+    a rejection either way, with another name)."""
 
     def __init__(self, fallback: object) -> None:
         self.fallback = fallback
@@ -532,7 +533,8 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
         "record, gate off": lambda: off.record(step=0),
         "record, gate on": record_on,
         "NonFiniteCheck (flags)": lambda: check(grads, cpu),
-        "squares: _foreach_norm fp32 + sum": lambda: _squares_in_own_precision(grads, flags, cpu),
+        "squares (the library's: a dot per large tensor)": lambda: _squares_in_own_precision(grads, cpu),
+        "squares: _foreach_norm fp32": lambda: torch._foreach_norm(grads, 2),
         "squares: _foreach_norm fp64": lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)),
         "proposal: flags and squares, one fp32 pass": lambda: one_pass(grads, cpu),
         "squares: per-tensor dot (BLAS sdot), fp32": lambda: torch.stack([torch.dot(g.view(-1), g.view(-1))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_ckguard.record.finiteness import IndexTensors, NonFiniteCheck, _dense_values
+from lightning_ckguard.record.finiteness import NonFiniteCheck, _dense_values
 
 # dtypes whose float64 2-norm cannot overflow, so that its finiteness is the tensor's
 _ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,11 +28,11 @@ _ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class FlagsAndSquares:
     """Per step: a bool tensor of per-gradient non-finite flags (as :class:`NonFiniteCheck` gives them) and the sum
-    of squares of the finite gradients, a 0-d float64 tensor; both on ``out_device``, nothing read to the host."""
+    of squares of the gradients, a 0-d float64 tensor (not finite when a flag is set: a spike gate leaves such a step
+    to the finiteness check); both on ``out_device``, nothing read to the host."""
 
     def __init__(self, check: NonFiniteCheck | None = None) -> None:
         self._check = check if check is not None else NonFiniteCheck()
-        self._indices: dict[torch.device, IndexTensors] = {}
 
     def __call__(self, grads: Sequence[Tensor], out_device: torch.device) -> tuple[Tensor, Tensor]:
         values = [_dense_values(g) if g.layout != torch.strided or g.is_complex() else g for g in grads]
@@ -40,11 +40,10 @@ class FlagsAndSquares:
             with torch.no_grad():
                 norms = torch.stack(torch._foreach_norm(values, 2, dtype=torch.float64))
             flags = norms.mul(0).ne(0)  # ~isfinite, as NonFiniteCheck computes it
-            squares = torch.where(flags, 0.0, norms.square()).sum()
+            # not finite with any flag set: the step is the finiteness check's, and a spike gate skips it
+            squares = norms.square().sum()
             return flags.to(out_device, non_blocking=True), squares.to(out_device, non_blocking=True)
-        flags = self._check(grads, out_device)
-        indices = self._indices.setdefault(out_device, IndexTensors(out_device))
-        return flags, _squares_in_own_precision(values, flags, out_device, indices)
+        return self._check(grads, out_device), _squares_in_own_precision(values, out_device)
 
 
 def _one_pass(values: Sequence[Tensor]) -> bool:
@@ -60,29 +59,25 @@ _DOT_DTYPES = (torch.float32, torch.float64)
 DOT_NUMEL = 1 << 12
 
 
-def _squares_in_own_precision(values: Sequence[Tensor], flags: Tensor, out_device: torch.device,
-                              indices: IndexTensors) -> Tensor:
-    """The sum of squares of the finite ``values``, each tensor's in its own precision (fp16 in fp32): a BLAS dot for
-    a large contiguous CPU tensor, a fused norm per (device, dtype) for the rest."""
-    if not values:
-        return torch.zeros((), dtype=torch.float64, device=out_device)
-    dots: list[int] = []
-    by_group: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, value in enumerate(values):
+def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device) -> Tensor:
+    """The sum of squares of ``values``, each tensor's in its own precision (fp16 in fp32): a BLAS dot for a large
+    contiguous CPU tensor, a fused norm per (device, dtype) for the rest."""
+    dots: list[Tensor] = []
+    by_group: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for value in values:
         if value.device.type == "cpu" and value.dtype in _DOT_DTYPES and value.numel() > DOT_NUMEL and (
                 value.is_contiguous()):
-            dots.append(i)
+            dots.append(value.view(-1))
         else:
-            by_group.setdefault((value.device, value.dtype), []).append(i)
-    squares = torch.empty(len(values), dtype=torch.float64, device=out_device)
+            by_group.setdefault((value.device, value.dtype), []).append(value)
+    parts: list[Tensor] = []
     with torch.no_grad():
         if dots:
-            flat = [values[i].view(-1) for i in dots]
-            part = torch.stack([torch.dot(v, v) for v in flat]).to(out_device, torch.float64, non_blocking=True)
-            squares.index_copy_(0, indices(dots), part)
-        for (_, dtype), members in by_group.items():
-            squares.index_copy_(0, indices(members), _group_squares([values[i] for i in members], dtype, out_device))
-    return torch.where(flags, 0.0, squares).sum()
+            parts.append(torch.stack([torch.dot(v, v) for v in dots]).to(out_device, torch.float64).sum())
+        parts += [_group_squares(group, dtype, out_device).sum() for (_, dtype), group in by_group.items()]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=out_device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 def _group_squares(values: Sequence[Tensor], dtype: torch.dtype, out_device: torch.device) -> Tensor:

@@ -14,8 +14,8 @@ Rows, one column per slot:
   over the ranks as it is;
 - ``REPLICATED``: the sum of squares of gradients every rank holds whole (DDP): the same on every rank, so the sum
   over the ranks is divided by the world size;
-- ``INVALID``: 1 where the step's loss or gradients were not finite: the finiteness check owns such a step, and a
-  spike gate neither judges it nor learns from it.
+- ``INVALID``: above 0 where the step's loss or gradients were not finite (their values there are not finite
+  either): the finiteness check owns such a step, and a spike gate neither judges it nor learns from it.
 
 A window longer than ``capacity`` steps is folded: when the buffer is full, each pair of neighbouring slots becomes
 one (each row's larger value), and every slot from then on holds twice as many steps. Within a slot every rank keeps
@@ -49,6 +49,7 @@ class StepValues:
         self.capacity = capacity
         self.values = torch.zeros(ROWS, capacity, dtype=torch.float64, device=self.device)
         self.labels: list[list[int]] = []  # per used slot, [first step, last step] (host ints)
+        self._slot_has_loss: list[bool] = []  # per used slot: a loss was written into it
         self.steps_per_slot = 1
         self._steps_in_last_slot = 0
         self._pending_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -81,14 +82,14 @@ class StepValues:
         if slot is None or not self._loss_given:
             return
         loss = self._pending_loss
-        finite = torch.isfinite(loss)
-        # views by plain slicing (a list index would copy an index tensor to the device every step)
-        column = self.values[:, slot]
-        value = torch.where(finite, loss, 0.0)
-        # the larger of the slot's loss and this one if the slot holds one; else this one (it may be negative)
-        column[LOSS].copy_(torch.where(column[LOSS_SEEN] > 0, torch.maximum(column[LOSS], value), value))
-        column[LOSS_SEEN].copy_(torch.maximum(column[LOSS_SEEN], finite.to(torch.float64)))
-        column[INVALID].copy_(torch.maximum(column[INVALID], (~finite).to(torch.float64)))
+        column = self.values[:, slot]  # views by plain slicing: a list index would copy one to the device
+        if self._slot_has_loss[slot]:  # the larger of the two (a NaN stays: the step is invalid then)
+            torch.maximum(column[LOSS], loss, out=column[LOSS])
+        else:  # the first loss of the slot, as it is (a negative one too: an empty slot's 0 is no loss)
+            column[LOSS].copy_(loss)
+            column[LOSS_SEEN].fill_(1.0)
+            self._slot_has_loss[slot] = True
+        column[INVALID].add_(loss.mul(0).ne(0))  # x * 0 is 0 for a finite x, NaN for NaN and both infinities
         self._pending_loss.zero_()
         self._loss_given = False
 
@@ -102,6 +103,7 @@ class StepValues:
         """Start a fresh window."""
         self.values.zero_()
         self.labels.clear()
+        self._slot_has_loss.clear()
         self.steps_per_slot, self._steps_in_last_slot, self._open_slot = 1, 0, None
         self._pending_loss.zero_()
         self._loss_given = False
@@ -115,6 +117,7 @@ class StepValues:
         if len(self.labels) == self.capacity:
             self._fold()
         self.labels.append([step, step])
+        self._slot_has_loss.append(False)
         self._steps_in_last_slot = 1
         return len(self.labels) - 1
 
@@ -128,6 +131,7 @@ class StepValues:
         self.values[:, :half] = folded
         self.values[:, half:] = 0
         self.labels = [[self.labels[2 * i][0], self.labels[2 * i + 1][1]] for i in range(half)]
+        self._slot_has_loss = [self._slot_has_loss[2 * i] or self._slot_has_loss[2 * i + 1] for i in range(half)]
         self.steps_per_slot *= 2
         self._steps_in_last_slot = self.steps_per_slot  # the last folded slot is full
 

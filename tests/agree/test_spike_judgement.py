@@ -147,25 +147,30 @@ def test_micro_batch_losses_add_up_to_their_steps_whichever_side_of_the_step_the
     values.add_loss(torch.tensor(float("nan")))
     values.close_step()
     summary = values.summary().view(rows.ROWS, -1)
-    assert summary[rows.LOSS, :2].tolist() == [3.0, 0.0]
-    assert summary[rows.LOSS_SEEN, :2].tolist() == [1.0, 0.0] and summary[rows.INVALID, :2].tolist() == [0.0, 1.0]
+    assert summary[rows.LOSS, 0] == 3.0 and summary[rows.LOSS, 1].isnan()  # a NaN loss makes its step invalid
+    assert summary[rows.LOSS_SEEN, :2].tolist() == [1.0, 1.0] and summary[rows.INVALID, :2].tolist() == [0.0, 1.0]
+    assert global_values(summary.reshape(-1).tolist(), values.capacity, values.labels, 1).values["loss"] == (3.0, None)
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["cpu-two-passes", "one-pass"])
 def test_flags_stay_exact_and_the_squares_add_up(monkeypatch, one_pass):
     if one_pass:  # the accelerator path, run on CPU tensors: fp64 norms give the flags and the squares at once
         monkeypatch.setattr(squares, "_one_pass", lambda values: True)
-    grads = [torch.randn(64, 32), torch.randn(7), torch.tensor([3e38, -3e38, 1.0]), torch.tensor([1.0, float("nan")])]
-    flags, total = FlagsAndSquares()(grads, torch.device("cpu"))
+    # large enough for a BLAS dot on a CPU, small enough for the fused norm, 3e38 (finite), a NaN
+    grads = [torch.randn(128, 64), torch.randn(7), torch.tensor([3e38, -3e38, 1.0]), torch.tensor([1.0, float("nan")])]
+    reader, cpu = FlagsAndSquares(), torch.device("cpu")
+    flags, total = reader(grads, cpu)
     assert flags.tolist() == [False, False, False, True]  # 3e38 is finite, whatever its square is
+    assert total.isnan(), "a step with a non-finite gradient has no sum of squares: it is the finiteness check's"
     finite = sum(float(g.double().square().sum()) for g in grads[:2])
+    flags, total = reader(grads[:3], cpu)
+    assert not flags.any()
     if one_pass:
         large = float(grads[2][0])  # 3e38 as fp32 holds it
         assert float(total) == pytest.approx(finite + 2 * large**2 + 1, rel=1e-12)
     else:  # in fp32 on a CPU: the squares of 3e38 overflow, and the step is above every baseline
         assert float(total) == math.inf
-        flags, total = FlagsAndSquares()(grads[:2], torch.device("cpu"))
-        assert float(total) == pytest.approx(finite, rel=1e-5)
+        assert float(reader(grads[:2], cpu)[1]) == pytest.approx(finite, rel=1e-5)
 
 
 def test_recording_with_the_gate_reads_nothing_back_and_communicates_nothing():
