@@ -52,7 +52,8 @@ class Spike:
                 f"{self.ratio:.3g}x its baseline of {self.baseline:.4g} ({self.deviations:.3g} deviations)")
 
 
-def _spike_cause(spikes: Sequence[Spike | Mapping[str, Any]]) -> str:
+def describe_spikes(spikes: Sequence[Spike | Mapping[str, Any]]) -> str:
+    """The spikes for a person, the first few spelled out (the error's message, a rewind's line)."""
     spelled = "; ".join(_as_spike(spike).describe() for spike in spikes[:_SPIKES_SPELLED_OUT])
     more = len(spikes) - _SPIKES_SPELLED_OUT
     return spelled + (f"; and {more} more spike(s)" if more > 0 else "")
@@ -116,7 +117,7 @@ def rejection_text(
     if non_finite_state:  # next to the gradient history, if there is one
         causes.append(_state_cause(non_finite_state))
     if spikes:
-        causes.append(_spike_cause(spikes))
+        causes.append(describe_spikes(spikes))
     text = f"Refusing to publish a checkpoint at global step {global_step}: {'; and '.join(causes)}."
     if parameters:
         noun = "Offending parameters" if num_steps > 0 or skipped_named else "Parameters with non-finite gradients"
@@ -311,5 +312,6 @@ def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None)
 
 
 __all__ = [
-    "MEASURES", "CheckpointWriteError", "NonFiniteGradientError", "RewindRefusedError", "Spike", "rejection_text",
+    "MEASURES", "CheckpointWriteError", "NonFiniteGradientError", "RewindRefusedError", "Spike", "describe_spikes",
+    "rejection_text",
 ]

@@ -413,6 +413,19 @@ def run_scenarios(scenarios: dict[str, Callable[[str], dict[str, Any]]], out: st
     leave_without_finalizing()
 
 
+def deepspeed_unavailable_reported(out: str) -> bool:
+    """Worker side, before any Trainer of a DeepSpeed kind: import the CPU shim (before DeepSpeed is imported anywhere,
+    see ``tests/deepspeed_shim.py``); where DeepSpeed is not importable, write rank 0's ``{"unavailable": why}``
+    (the test skips on it; rank 1 is never launched) and return True."""
+    import deepspeed_shim
+
+    if not deepspeed_shim.DEEPSPEED_UNAVAILABLE:
+        return False
+    with open(os.path.join(out, "rank0.json"), "w") as f:
+        json.dump({"unavailable": deepspeed_shim.DEEPSPEED_UNAVAILABLE}, f)
+    return True
+
+
 def leave_without_finalizing() -> None:
     """End a worker rank whose results are written: destroy its process group, then exit with 0 at once.
 

@@ -115,9 +115,7 @@ class GradientGuard:
         indices, grads = gradients
         label = self._steps_seen if step is None else step
         num_parameters = len(self.source.parameter_names)
-        sharded = bool(getattr(self.source, "shards_gradients", False))
-        gradient_scale = getattr(self.source, "gradient_scale", None)
-        scale = gradient_scale() if gradient_scale is not None else 1.0  # DeepSpeed's fp16 loss scale
+        sharded, scale = self._how_squares_add_up()
         if skipped is None and getattr(self.source, "defers_skip_outcome", False):
             self.window.record_pending(indices, grads, label, num_parameters, sharded, scale)
         else:
@@ -125,6 +123,15 @@ class GradientGuard:
         self._steps_seen += 1
         if loss is not None:
             self.record_loss(loss)
+
+    def _how_squares_add_up(self) -> tuple[bool, float | Tensor]:
+        """For a spike gate: whether the gradients just read are this rank's shard, and the loss scale they still
+        carry (DeepSpeed fp16). Without a gate nothing is asked of the source."""
+        if self.spike_gate is None:
+            return False, 1.0
+        gradient_scale = getattr(self.source, "gradient_scale", None)
+        scale = gradient_scale() if gradient_scale is not None else 1.0
+        return bool(getattr(self.source, "shards_gradients", False)), scale
 
     def record_loss(self, loss: Tensor | float) -> None:
         """Add a loss to the step under way, for a spike gate watching the loss (nothing without one): device-side,

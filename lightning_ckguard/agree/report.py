@@ -73,7 +73,6 @@ class BoundaryReport:
             raise ValueError("An accepted boundary has no error.")
         return NonFiniteGradientError(**{name: getattr(self, name) for name in _ERROR_FIELDS})
 
-
     def metrics(self) -> dict[str, float]:
         """The spike gate's ``ckguard/*`` values of this boundary, as plain numbers: each watched measure's baseline
         (from the end of the warm-up on) and the window's largest value (when it has a finite one)."""

@@ -145,8 +145,8 @@ class GuardedFit:
             return
         self.guard.conclude_step()
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if self.guard.spike_gate is not None and isinstance(loss, Tensor):
-            self.guard.record_loss(loss)
+        if isinstance(loss, Tensor):
+            self.guard.record_loss(loss)  # nothing without a spike gate
 
     # ------------------------------------------------------------------ boundaries
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_ckguard._distributed import agree_on_failure, broadcast_value
 from lightning_ckguard.agree.report import BoundaryReport
-from lightning_ckguard.errors import RewindRefusedError, Spike
+from lightning_ckguard.errors import RewindRefusedError, Spike, describe_spikes
 
 #: The file, next to the checkpoints, that gets one JSON line per rewind (written by rank 0).
 REWIND_LOG_NAME = "ckguard-rewinds.jsonl"
@@ -101,7 +101,7 @@ class Rewind:
         ranks = ", ".join(map(str, self.ranks)) or "none"
         parameters = ", ".join(self.parameters) or "not attributable"
         cause = (f"non-finite on rank(s) {ranks}, steps {self.first_step} to {self.last_step}, parameters: "
-                 f"{parameters}") if self.ranks or not self.spikes else "; ".join(s.describe() for s in self.spikes)
+                 f"{parameters}") if self.ranks or not self.spikes else describe_spikes(self.spikes)
         return (
             f"rewind {self.number} at global step {self.global_step} ({self.boundary}; {cause}) went back to "
             f"{self.checkpoint} (published at global step {self.checkpoint_global_step}), discarding {steps} and "

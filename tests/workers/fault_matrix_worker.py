@@ -16,7 +16,6 @@ every cell.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import warnings
@@ -30,7 +29,15 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FaultyModel, fit_outcome, ledger_state, run_scenarios, tree_digest  # noqa: E402
+from helpers import (  # noqa: E402
+    QUIET,
+    FaultyModel,
+    deepspeed_unavailable_reported,
+    fit_outcome,
+    ledger_state,
+    run_scenarios,
+    tree_digest,
+)
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -116,13 +123,8 @@ def run_cell(root: str, strategy: str, faulty: str, boundary: str) -> dict[str, 
 def main() -> None:
     strategy, out = sys.argv[1], sys.argv[2]
     only = set(sys.argv[3:])
-    if strategy.startswith("ds"):
-        import deepspeed_shim
-
-        if deepspeed_shim.DEEPSPEED_UNAVAILABLE:  # before any Trainer: rank 1 is never launched
-            with open(os.path.join(out, "rank0.json"), "w") as f:
-                json.dump({"unavailable": deepspeed_shim.DEEPSPEED_UNAVAILABLE}, f)
-            return
+    if strategy.startswith("ds") and deepspeed_unavailable_reported(out):  # before any Trainer
+        return
     cells = {
         f"{faulty}-{boundary}": lambda root, f=faulty, b=boundary: run_cell(root, strategy, f, b)
         for boundary in BOUNDARIES

@@ -36,7 +36,15 @@ from rewind_helpers import checkpoint_loads_finite, compare_with_checkpoint  # n
 from sharded_helpers import ShardedFaultModel, weights_finite  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FaultyModel, RecordingLogger, fit_outcome, ledger_state, run_scenarios  # noqa: E402
+from helpers import (  # noqa: E402
+    QUIET,
+    FaultyModel,
+    RecordingLogger,
+    deepspeed_unavailable_reported,
+    fit_outcome,
+    ledger_state,
+    run_scenarios,
+)
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 from lightning_ckguard.recover.rewind import REWIND_LOG_NAME  # noqa: E402
 
@@ -154,13 +162,8 @@ def scenarios(kind: str) -> dict[str, Any]:
 
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
-    if kind.startswith("ds"):
-        import deepspeed_shim
-
-        if deepspeed_shim.DEEPSPEED_UNAVAILABLE:  # before any Trainer: rank 1 is never launched
-            with open(os.path.join(out, "rank0.json"), "w") as f:
-                json.dump({"unavailable": deepspeed_shim.DEEPSPEED_UNAVAILABLE}, f)
-            return
+    if kind.startswith("ds") and deepspeed_unavailable_reported(out):  # before any Trainer
+        return
     run_scenarios(scenarios(kind), out, set(sys.argv[3:]))
 
 

@@ -10,7 +10,6 @@ group with a 60 s collective timeout, and writes what it observed to ``OUT_DIR/r
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -32,7 +31,14 @@ from sharded_helpers import (  # noqa: E402
 )
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, fit_outcome, ledger_state, run_scenarios, tree_digest  # noqa: E402
+from helpers import (  # noqa: E402
+    QUIET,
+    deepspeed_unavailable_reported,
+    fit_outcome,
+    ledger_state,
+    run_scenarios,
+    tree_digest,
+)
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -183,13 +189,8 @@ def scenarios(kind: str) -> dict[str, Scenario]:
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
     only = set(sys.argv[3:])
-    if kind != "fsdp2":
-        import deepspeed_shim
-
-        if deepspeed_shim.DEEPSPEED_UNAVAILABLE:  # before any Trainer: rank 1 is never launched
-            with open(os.path.join(out, "rank0.json"), "w") as f:
-                json.dump({"unavailable": deepspeed_shim.DEEPSPEED_UNAVAILABLE}, f)
-            return
+    if kind != "fsdp2" and deepspeed_unavailable_reported(out):  # before any Trainer
+        return
     run_scenarios(scenarios(kind), out, only)
 
 

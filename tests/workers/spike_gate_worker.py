@@ -34,7 +34,6 @@ gradients).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import tempfile
@@ -53,7 +52,7 @@ from strategies import make_strategy  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from helpers import QUIET, fit_outcome, ledger_state, run_scenarios  # noqa: E402
+from helpers import QUIET, deepspeed_unavailable_reported, fit_outcome, ledger_state, run_scenarios  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint, SpikeGate  # noqa: E402
 from lightning_ckguard.recover.rewind import REWIND_LOG_NAME  # noqa: E402
 
@@ -303,13 +302,8 @@ def scenarios(kind: str) -> dict[str, Any]:
 
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
-    if kind.startswith("ds"):
-        import deepspeed_shim
-
-        if deepspeed_shim.DEEPSPEED_UNAVAILABLE:  # before any Trainer: rank 1 is never launched
-            with open(os.path.join(out, "rank0.json"), "w") as f:
-                json.dump({"unavailable": deepspeed_shim.DEEPSPEED_UNAVAILABLE}, f)
-            return
+    if kind.startswith("ds") and deepspeed_unavailable_reported(out):  # before any Trainer
+        return
     run_scenarios(scenarios(kind), out, set(sys.argv[3:]))
 
 
