@@ -109,7 +109,7 @@ def global_values(words: Sequence[float], capacity: int, labels: Sequence[Sequen
     loss: list[float | None] = []
     grad_norm: list[float | None] = []
     for slot in range(len(labels)):
-        if table[rows.INVALID][slot] > 0:
+        if table[rows.INVALID][slot] > 0 or not math.isfinite(table[rows.LOSS][slot]):  # a rank's was not finite
             loss.append(None)
             grad_norm.append(None)
             continue

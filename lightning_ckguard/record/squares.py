@@ -60,30 +60,28 @@ DOT_NUMEL = 1 << 12
 
 
 def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device) -> Tensor:
-    """The sum of squares of ``values``, each tensor's in its own precision (fp16 in fp32): a BLAS dot for a large
-    contiguous CPU tensor, a fused norm per (device, dtype) for the rest."""
-    dots: list[Tensor] = []
+    """The sum of squares of ``values``, each tensor's in its own precision (fp16 in fp32), summed in float64: a BLAS
+    dot for a large contiguous CPU tensor, a fused norm per (device, dtype) for the rest. A handful of kernels on top
+    of the reads: the per-tensor results are squared by one fused multiply and summed by one reduction per device."""
+    squares: list[Tensor] = []
     by_group: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for value in values:
-        if value.device.type == "cpu" and value.dtype in _DOT_DTYPES and value.numel() > DOT_NUMEL and (
-                value.is_contiguous()):
-            dots.append(value.view(-1))
-        else:
-            by_group.setdefault((value.device, value.dtype), []).append(value)
-    parts: list[Tensor] = []
     with torch.no_grad():
-        if dots:
-            parts.append(torch.stack([torch.dot(v, v) for v in dots]).to(out_device, torch.float64).sum())
-        parts += [_group_squares(group, dtype, out_device).sum() for (_, dtype), group in by_group.items()]
-    if not parts:
-        return torch.zeros((), dtype=torch.float64, device=out_device)
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-
-
-def _group_squares(values: Sequence[Tensor], dtype: torch.dtype, out_device: torch.device) -> Tensor:
-    precision = torch.float32 if dtype == torch.float16 else None
-    norms = torch._foreach_norm(list(values), 2, dtype=precision)
-    return torch.stack(norms).to(out_device, torch.float64, non_blocking=True).square()
+        for value in values:
+            if value.device.type == "cpu" and value.dtype in _DOT_DTYPES and value.numel() > DOT_NUMEL and (
+                    value.is_contiguous()):
+                flat = value.view(-1)
+                squares.append(torch.dot(flat, flat))
+            else:
+                by_group.setdefault((value.device, value.dtype), []).append(value)
+        for (_, dtype), group in by_group.items():
+            norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype == torch.float16 else None)
+            squares += torch._foreach_mul(norms, norms)
+        if not squares:
+            return torch.zeros((), dtype=torch.float64, device=out_device)
+        if any(square.device != out_device for square in squares):
+            squares = [square.to(out_device, non_blocking=True) for square in squares]
+        # stack promotes to the widest dtype; the sum accumulates in float64
+        return torch.stack(squares).sum(dtype=torch.float64)
 
 
 __all__ = ["FlagsAndSquares"]

@@ -1,7 +1,7 @@
 """Per-step values of the window for a spike gate: each optimizer step's loss and gradient sum of squares, on the
 device, in a buffer of a fixed size.
 
-Recording a step writes a few numbers into one slot of a small float64 matrix with a handful of tiny kernels; nothing
+Recording a step writes a few numbers into one slot of a small float64 matrix with about six tiny kernels; nothing
 is read back to the host and nothing is communicated. At a boundary the whole matrix (:meth:`StepValues.summary`,
 ``ROWS x capacity`` words, whatever the window's length) is summed over the ranks in one all-reduce, and every rank
 reads the same global values from it (``lightning_ckguard.agree.spikes``).
@@ -14,8 +14,10 @@ Rows, one column per slot:
   over the ranks as it is;
 - ``REPLICATED``: the sum of squares of gradients every rank holds whole (DDP): the same on every rank, so the sum
   over the ranks is divided by the world size;
-- ``INVALID``: above 0 where the step's loss or gradients were not finite (their values there are not finite
-  either): the finiteness check owns such a step, and a spike gate neither judges it nor learns from it.
+- ``INVALID``: above 0 where the step's gradients were not finite (their sum of squares is not finite either): the
+  finiteness check owns such a step, and a spike gate neither judges it nor learns from it. A non-finite loss needs
+  no row of its own: it leaves its slot's ``LOSS`` not finite, on every rank once summed, and a spike gate reads that
+  the same way.
 
 A window longer than ``capacity`` steps is folded: when the buffer is full, each pair of neighbouring slots becomes
 one (each row's larger value), and every slot from then on holds twice as many steps. Within a slot every rank keeps
@@ -37,6 +39,10 @@ DEFAULT_CAPACITY = 256
 class StepValues:
     """The per-step values of one rank's window (see the module docstring), with their step labels on the host.
 
+    A step under way collects its values in one small vector, and closing it writes that vector into the step's slot
+    with one copy (the larger values, for a step that joins a folded slot): about six tiny kernels per step, every
+    view made once here.
+
     Args:
         device: Where the values live (the gradients' device, so recording needs no copy).
         capacity: Slots in the buffer, a power of two; longer windows are folded.
@@ -52,45 +58,58 @@ class StepValues:
         self._slot_has_loss: list[bool] = []  # per used slot: a loss was written into it
         self.steps_per_slot = 1
         self._steps_in_last_slot = 0
-        self._pending_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        # the step under way, one value per row; its row views and each slot's column are made once
+        self._step = torch.zeros(ROWS, dtype=torch.float64, device=self.device)
+        self._step_rows = self._step.unbind(0)
+        self._columns = self.values.unbind(1)
         self._loss_given = False
         self._open_slot: int | None = None  # the slot of a step whose loss may still come (a Trainer's batch end)
+        self._open_slot_is_fresh = False  # no earlier step of the window is in it
 
     def add_loss(self, loss: Tensor | float) -> None:
         """Add a micro-batch's loss to the step under way (device-side; a float is taken as it is)."""
-        value = loss.detach() if isinstance(loss, Tensor) else torch.tensor(float(loss))
-        self._pending_loss.add_(value.to(self.device, torch.float64, non_blocking=True).reshape(()))
-        self._loss_given = True
+        with torch.no_grad():
+            if isinstance(loss, Tensor):
+                if loss.device != self.device:
+                    loss = loss.to(self.device, non_blocking=True)
+                if loss.dim():
+                    loss = loss.reshape(())
+            if not self._loss_given:
+                self._step_rows[LOSS_SEEN].fill_(1.0)
+                self._loss_given = True
+            self._step_rows[LOSS].add_(loss)
 
     def record_step(self, sharded: Tensor | None, replicated: Tensor | None, invalid: Tensor, step: int) -> None:
         """A new optimizer step, labelled ``step``: its gradients' sums of squares (0-d float64 tensors, None where a
         kind is absent) and whether they were finite (``invalid``, a 0-d bool tensor). Its loss is what
         :meth:`add_loss` gave since the last step, plus what it gives until :meth:`close_step`."""
         self.close_step()
-        slot = self._next_slot(step)
-        zero = self._zero
-        column = torch.stack([zero, zero, zero if sharded is None else sharded,
-                              zero if replicated is None else replicated, invalid.to(torch.float64)])
-        # a slot's value is the largest of its steps'
-        torch.maximum(self.values[:, slot], column, out=self.values[:, slot])
-        self._open_slot = slot
+        self._open_slot = self._next_slot(step)
+        self._open_slot_is_fresh = self._steps_in_last_slot == 1
+        if sharded is not None:
+            self._step_rows[SHARDED].copy_(sharded)
+        if replicated is not None:
+            self._step_rows[REPLICATED].copy_(replicated)
+        self._step_rows[INVALID].copy_(invalid)
 
     def close_step(self) -> None:
-        """The step's loss is complete: write it into the step's slot (a non-finite loss marks the step invalid)."""
+        """The step is complete: write it into its slot. A loss given with no step open waits for the next step."""
         slot, self._open_slot = self._open_slot, None
-        if slot is None or not self._loss_given:
+        if slot is None:
             return
-        loss = self._pending_loss
-        column = self.values[:, slot]  # views by plain slicing: a list index would copy one to the device
-        if self._slot_has_loss[slot]:  # the larger of the two (a NaN stays: the step is invalid then)
-            torch.maximum(column[LOSS], loss, out=column[LOSS])
-        else:  # the first loss of the slot, as it is (a negative one too: an empty slot's 0 is no loss)
-            column[LOSS].copy_(loss)
-            column[LOSS_SEEN].fill_(1.0)
+        column = self._columns[slot]
+        if self._open_slot_is_fresh:
+            column.copy_(self._step)
+        else:  # a folded slot keeps the largest of its steps' values (a NaN stays: the step is invalid then)
+            merged = torch.maximum(column, self._step)
+            if not self._loss_given:  # no loss this step: keep the slot's (0 from the step would lift a negative one)
+                merged[LOSS] = column[LOSS]
+            elif not self._slot_has_loss[slot]:  # the first loss of the slot, as it is (it may be negative)
+                merged[LOSS] = self._step[LOSS]
+            column.copy_(merged)
+        if self._loss_given:
             self._slot_has_loss[slot] = True
-        column[INVALID].add_(loss.mul(0).ne(0))  # x * 0 is 0 for a finite x, NaN for NaN and both infinities
-        self._pending_loss.zero_()
+        self._step.zero_()
         self._loss_given = False
 
     def summary(self) -> Tensor:
@@ -105,7 +124,7 @@ class StepValues:
         self.labels.clear()
         self._slot_has_loss.clear()
         self.steps_per_slot, self._steps_in_last_slot, self._open_slot = 1, 0, None
-        self._pending_loss.zero_()
+        self._step.zero_()
         self._loss_given = False
 
     def _next_slot(self, step: int) -> int:

@@ -113,26 +113,31 @@ class NonFiniteWindow:
             grown[: self.parameter_counts.numel()] = self.parameter_counts
             self.parameter_counts = grown
             self._every_index = tuple(range(num_parameters))
-        flags = self._flags(grads, step, sharded, scale)
-        if flags is None:
+        if not grads:
+            self._record_step_values(self._zero, self._false, step, sharded, 1.0)
             return self._false
+        if self.step_values is None:
+            flags = self._check(grads, self.device)
+            non_finite = flags.any()
+        else:
+            flags, squares = self._flags_and_squares(grads, self.device)
+            non_finite = flags.any()
+            self._record_step_values(squares, non_finite, step, sharded, scale)
         if indices == self._every_index:  # every parameter in index order (the usual step): no index tensor
             self.parameter_counts.add_(flags)
         else:
             self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
-        return flags.any()
+        return non_finite
 
-    def _flags(self, grads: Sequence[Tensor], step: int, sharded: bool, scale: float | Tensor) -> Tensor | None:
-        """The per-gradient non-finite flags (None without gradients); with step values, the step's sum of squares
-        goes there, an empty step's as zero, so that every rank fills the same slots."""
+    def _record_step_values(self, squares: Tensor, non_finite: Tensor, step: int, sharded: bool,
+                            scale: float | Tensor) -> None:
+        """With step values (a spike gate), the step's sum of squares goes there; an empty step's as zero, so that
+        every rank fills the same slots."""
         if self.step_values is None:
-            return self._check(grads, self.device) if grads else None
-        flags, squares = self._flags_and_squares(grads, self.device) if grads else (None, self._zero)
+            return
         if isinstance(scale, Tensor) or scale != 1.0:  # a device tensor is divided out on the device, never read
             squares = squares / (scale * scale)
-        invalid = flags.any() if flags is not None else self._false
-        self.step_values.record_step(squares if sharded else None, None if sharded else squares, invalid, step)
-        return flags
+        self.step_values.record_step(squares if sharded else None, None if sharded else squares, non_finite, step)
 
     def _count(self, non_finite: Tensor, step: int, skipped: Tensor | bool | None) -> None:
         # a handful of tiny kernels per step; ``first`` is set from ``last`` the first time ``last`` is set

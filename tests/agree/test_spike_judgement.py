@@ -148,8 +148,10 @@ def test_micro_batch_losses_add_up_to_their_steps_whichever_side_of_the_step_the
     values.close_step()
     summary = values.summary().view(rows.ROWS, -1)
     assert summary[rows.LOSS, 0] == 3.0 and summary[rows.LOSS, 1].isnan()  # a NaN loss makes its step invalid
-    assert summary[rows.LOSS_SEEN, :2].tolist() == [1.0, 1.0] and summary[rows.INVALID, :2].tolist() == [0.0, 1.0]
-    assert global_values(summary.reshape(-1).tolist(), values.capacity, values.labels, 1).values["loss"] == (3.0, None)
+    assert summary[rows.LOSS_SEEN, :2].tolist() == [1.0, 1.0]
+    # the step of the NaN loss is judged on neither measure
+    measures = global_values(summary.reshape(-1).tolist(), values.capacity, values.labels, 1)
+    assert measures.values == {"loss": (3.0, None), "grad_norm": (0.0, None)}
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["cpu-two-passes", "one-pass"])
@@ -253,3 +255,28 @@ def test_negative_losses_are_kept_as_they_are_in_their_slots_and_folds():
     # 3 steps in 2 slots: steps 0-1 folded into one (the larger, -1.5), step 2 alone; an empty slot is not a 0 loss
     assert values.labels == [[0, 1], [2, 2]]
     assert values.summary().view(rows.ROWS, 2)[rows.LOSS].tolist() == [-1.5, -1.75]
+
+
+def test_a_step_that_joins_a_folded_slot_keeps_its_negative_loss_and_a_step_without_loss_changes_none():
+    values = StepValues(torch.device("cpu"), capacity=2)
+    finite = torch.tensor(False)
+
+    def step(number: int, squares: float, loss: float | None) -> None:
+        values.record_step(None, torch.tensor(squares, dtype=torch.float64), finite, number)
+        if loss is not None:
+            values.add_loss(torch.tensor(loss))
+        values.close_step()
+
+    step(0, 1.0, -2.0)
+    step(1, 1.0, -1.5)
+    step(2, 5.0, None)  # folds 0-1 into one slot; no loss for this step
+    step(3, 2.0, -4.0)  # joins step 2's slot: its first loss, as it is
+    table = values.summary().view(rows.ROWS, 2)
+    assert values.labels == [[0, 1], [2, 3]]
+    assert table[rows.LOSS].tolist() == [-1.5, -4.0] and table[rows.LOSS_SEEN].tolist() == [1.0, 1.0]
+    assert table[rows.REPLICATED].tolist() == [1.0, 5.0]
+    step(4, 3.0, -7.0)  # folds again: 0-3 and 4
+    step(5, 9.0, None)  # joins step 4's slot without a loss: the loss stays -7, the squares take the larger
+    table = values.summary().view(rows.ROWS, 2)
+    assert values.labels == [[0, 3], [4, 5]]
+    assert table[rows.LOSS].tolist() == [-1.5, -7.0] and table[rows.REPLICATED].tolist() == [5.0, 9.0]

@@ -111,7 +111,13 @@ class KillSwitch:
     def copying(self, out_fd: int) -> bool:
         """Whether to copy only half of what is asked into ``out_fd`` and die (a crash in the middle of the copy)."""
         target = os.path.realpath(f"/proc/self/fd/{out_fd}")
-        return self.single_file and self._during() and target.startswith(self.dirpath + os.sep)
+        if not (self.single_file and target.startswith(self.dirpath + os.sep)):
+            return False
+        if self.phase == "rank0-during-async":
+            # the background write can still be copying when the next save has begun (seen under load): which save
+            # a file belongs to is in its name, ``.step=4.ckpt.ckguard-staging``, not in the latest save's step
+            return self.rank == 0 and f"step={CRASH_STEP}." in os.path.basename(target)
+        return self._during()
 
     def renamed(self, source: str, target: str) -> None:
         # the second rename of `last`: its staging entry onto the name, after the old one was renamed aside
