@@ -84,7 +84,8 @@ class GradientGuard:
         self._spike_history = SpikeHistory(spike_gate) if spike_gate is not None else None
         self._accepted_window: StepMeasures | None = None  # learned by the next reset, once published
         step_values = StepValues(torch.device(device), spike_gate.resolution) if spike_gate is not None else None
-        self.window = NonFiniteWindow(torch.device(device), step_values)
+        self.window = NonFiniteWindow(torch.device(device), step_values,
+                                      squares=spike_gate is not None and "grad_norm" in spike_gate.measures)
         self._state_check = StateCheck()
         self._constant_buffers: dict[int, frozenset[str]] = {}
         self.note_constant_buffers(module)
@@ -125,9 +126,9 @@ class GradientGuard:
             self.record_loss(loss)
 
     def _how_squares_add_up(self) -> tuple[bool, float | Tensor]:
-        """For a spike gate: whether the gradients just read are this rank's shard, and the loss scale they still
-        carry (DeepSpeed fp16). Without a gate nothing is asked of the source."""
-        if self.spike_gate is None:
+        """For a spike gate that watches the gradient norm: whether the gradients just read are this rank's shard, and
+        the loss scale they still carry (DeepSpeed fp16). Without one nothing is asked of the source."""
+        if self.spike_gate is None or "grad_norm" not in self.spike_gate.measures:
             return False, 1.0
         gradient_scale = getattr(self.source, "gradient_scale", None)
         scale = gradient_scale() if gradient_scale is not None else 1.0

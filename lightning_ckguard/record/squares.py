@@ -46,6 +46,17 @@ class FlagsAndSquares:
         return self._check(grads, out_device), _squares_in_own_precision(values, out_device)
 
 
+class FlagsWithoutSquares:
+    """What :class:`FlagsAndSquares` gives when nothing needs the squares (no spike gate, or one that watches only the
+    loss): :class:`NonFiniteCheck`'s flags, and a constant zero for the squares (no kernel, no read)."""
+
+    def __init__(self, check: NonFiniteCheck, zero: Tensor) -> None:
+        self._check, self._zero = check, zero
+
+    def __call__(self, grads: Sequence[Tensor], out_device: torch.device) -> tuple[Tensor, Tensor]:
+        return self._check(grads, out_device), self._zero
+
+
 def _one_pass(values: Sequence[Tensor]) -> bool:
     if not values:
         return False
@@ -84,4 +95,4 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
         return torch.stack(squares).sum(dtype=torch.float64)
 
 
-__all__ = ["FlagsAndSquares"]
+__all__ = ["FlagsAndSquares", "FlagsWithoutSquares"]

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_ckguard.record.finiteness import IndexTensors, NonFiniteCheck
-from lightning_ckguard.record.squares import FlagsAndSquares
+from lightning_ckguard.record.squares import FlagsAndSquares, FlagsWithoutSquares
 from lightning_ckguard.record.step_values import StepValues
 
 #: How many offending parameter indices each rank reports at a boundary.
@@ -38,10 +38,11 @@ class NonFiniteWindow:
     :meth:`record_pending`).
 
     With ``step_values`` (a spike gate is on), each step's gradient sum of squares goes there too, from the same
-    read of the gradients where one read serves both (:class:`~lightning_ckguard.record.squares.FlagsAndSquares`).
+    read of the gradients where one read serves both (:class:`~lightning_ckguard.record.squares.FlagsAndSquares`);
+    ``squares=False`` (a gate that watches only the loss) reads the flags alone and records zero squares.
     """
 
-    def __init__(self, device: torch.device, step_values: StepValues | None = None) -> None:
+    def __init__(self, device: torch.device, step_values: StepValues | None = None, squares: bool = True) -> None:
         self.device = torch.device(device)
         self.step_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.first_steps = torch.full((2,), -1, dtype=torch.int64, device=self.device)
@@ -51,11 +52,14 @@ class NonFiniteWindow:
         self.pending_rejection = False
         self._check = NonFiniteCheck()
         self.step_values = step_values
-        self._flags_and_squares = FlagsAndSquares(self._check)
         self._indices = IndexTensors(self.device)
         self._false = torch.zeros((), dtype=torch.bool, device=self.device)
         self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        # chosen once: whether a step's read of the gradients also sums their squares
+        self._flags_and_squares: FlagsAndSquares | FlagsWithoutSquares = (
+            FlagsAndSquares(self._check) if step_values is not None and squares
+            else FlagsWithoutSquares(self._check, self._zero))
         self._pending: tuple[Tensor, int] | None = None
         self._every_index: tuple[int, ...] = ()
         # views of the applied-step entries, updated in place by the usual (not skipped) step
@@ -116,13 +120,9 @@ class NonFiniteWindow:
         if not grads:
             self._record_step_values(self._zero, self._false, step, sharded, 1.0)
             return self._false
-        if self.step_values is None:
-            flags = self._check(grads, self.device)
-            non_finite = flags.any()
-        else:
-            flags, squares = self._flags_and_squares(grads, self.device)
-            non_finite = flags.any()
-            self._record_step_values(squares, non_finite, step, sharded, scale)
+        flags, squares = self._flags_and_squares(grads, self.device)
+        non_finite = flags.any()
+        self._record_step_values(squares, non_finite, step, sharded, scale)
         if indices == self._every_index:  # every parameter in index order (the usual step): no index tensor
             self.parameter_counts.add_(flags)
         else:

@@ -12,6 +12,7 @@ import pickle
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import HOST_READS, CountOps
 from lightning_ckguard import GradientGuard, NonFiniteGradientError, Spike, SpikeGate
@@ -280,3 +281,35 @@ def test_a_step_that_joins_a_folded_slot_keeps_its_negative_loss_and_a_step_with
     table = values.summary().view(rows.ROWS, 2)
     assert values.labels == [[0, 3], [4, 5]]
     assert table[rows.LOSS].tolist() == [-1.5, -7.0] and table[rows.REPLICATED].tolist() == [5.0, 9.0]
+
+
+class _GradientReads(TorchDispatchMode):
+    """Counts the ATen ops that take one of ``grads`` (or a view of it) as an argument."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.pointers = {g.data_ptr() for g in grads}
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+        if any(isinstance(a, torch.Tensor) and a.data_ptr() in self.pointers for a in flat):
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_gate_that_watches_only_the_loss_reads_the_gradients_as_often_as_no_gate():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1))
+    loss = model(torch.randn(5, 64)).pow(2).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    reads = {}
+    for name, gate in (("none", None), ("loss", SpikeGate(measures=("loss",))), ("both", SpikeGate())):
+        guard = GradientGuard(model, spike_gate=gate)
+        guard.record(step=0, loss=loss.detach())  # the first step of a layout plans its reads
+        with _GradientReads(grads) as mode:
+            guard.record(step=1, loss=loss.detach())
+        reads[name] = sorted(mode.reads)
+    assert reads["none"], "the dispatch mode saw no read of the gradients"
+    assert reads["loss"] == reads["none"]
+    assert len(reads["both"]) > len(reads["none"])  # the squares: a read of their own on a CPU
