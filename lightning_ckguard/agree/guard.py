@@ -21,7 +21,7 @@ callback's own, for now); Fabric or plain ``torch.distributed`` code can use it 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -226,6 +226,32 @@ class GradientGuard:
             self._spike_history.learn(self._accepted_window)
         self._accepted_window = None
         self.window.reset(pending_rejection=pending_rejection)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of this guard: with a spike gate, its accepted history
+        (``{"spike_history": {measure: [values]}}``), the window just agreed on included, since the checkpoint that
+        holds this state publishes it; without a gate, nothing. A Fabric user saves the guard with the rest of the
+        state (``fabric.save(path, {"model": model, "guard": guard, ...})``)."""
+        if self._spike_history is None or self.spike_gate is None:
+            return {}
+        history = self._spike_history
+        if self._accepted_window is not None:  # learned at the next reset, once this checkpoint is published
+            history = SpikeHistory(self.spike_gate)
+            history.load_state_dict(self._spike_history.state_dict())
+            history.learn(self._accepted_window)
+        return {"spike_history": history.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take up what :meth:`state_dict` gave, in this process or an earlier one: a resumed run's spike gate keeps
+        its baseline instead of warming up again. A state without a history, or a guard without a gate, changes
+        nothing.
+
+        Raises:
+            ValueError: If the history is not a mapping of measures to lists of finite numbers.
+        """
+        history = state.get("spike_history")
+        if history is not None and self._spike_history is not None:
+            self._spike_history.load_state_dict(history)
 
     @property
     def steps_recorded(self) -> int:

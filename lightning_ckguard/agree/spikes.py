@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_ckguard.errors import MEASURES, Spike
 from lightning_ckguard.record import step_values as rows
@@ -158,6 +158,32 @@ class SpikeHistory:
         """Learn an accepted, published window's values (its finite ones)."""
         for measure, history in self.values.items():
             history.extend(v for v in measures.values[measure] if v is not None and math.isfinite(v))
+
+    def state_dict(self) -> dict[str, list[float]]:
+        """The accepted values of each watched measure, oldest first, as plain floats."""
+        return {measure: list(values) for measure, values in self.values.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take up the accepted values :meth:`state_dict` gave (an earlier fit's): for each watched measure, the most
+        recent ``gate.history`` of them, in place of this history's. A measure the gate does not watch is left out;
+        one it watches that ``state`` lacks starts empty.
+
+        Raises:
+            ValueError: If ``state`` is not a mapping of measures to lists of finite numbers.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"A spike history must be a mapping of measures to values, got {state!r}.")
+        loaded = {measure: _finite_values(measure, state.get(measure, ())) for measure in self.values}
+        for measure, values in loaded.items():
+            self.values[measure].clear()
+            self.values[measure].extend(values)
+
+
+def _finite_values(measure: str, values: Any) -> list[float]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise ValueError(f"The spike history of {measure!r} must be a list of finite numbers, got {values!r}.")
+    return [float(v) for v in values]
 
 
 def judge(gate: SpikeGate, history: SpikeHistory, measures: StepMeasures) -> SpikeCheck:

@@ -325,8 +325,9 @@ class GuardedCheckpoint(_CheckpointBase):
         return {**vars(self), "_fit": None}  # what only means something while a fit runs is not part of its value
 
     def state_dict(self) -> dict[str, Any]:
-        """``ModelCheckpoint``'s state, plus the format version of this release."""
-        return validation.with_format_version(super().state_dict())
+        """``ModelCheckpoint``'s state, plus the format version of this release and a spike gate's accepted history."""
+        guard = self._fit.guard if self._fit is not None else None
+        return validation.with_format_version(super().state_dict()) | (guard.state_dict() if guard is not None else {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by this or an earlier release, or by a plain ``ModelCheckpoint``; forget (with a
@@ -336,6 +337,7 @@ class GuardedCheckpoint(_CheckpointBase):
             ValueError: If the state comes from a newer, unknown format: loading it could silently drop bookkeeping.
         """
         super().load_state_dict(validation.without_format_version(state_dict))
+        self._decisions.resumed_spike_history = state_dict.get("spike_history")  # for this fit's guard
         drop_missing_checkpoints(self, self._fit)
 
 

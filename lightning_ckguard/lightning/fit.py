@@ -61,6 +61,7 @@ class Decisions:
     last_report: BoundaryReport | None = None
     counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "rejected": 0})
     rewind_log: RewindLog | None = None  # the rewinds of the current (or most recent) fit
+    resumed_spike_history: Any = None  # a resumed checkpoint's spike history, taken up by the fit's guard
 
     @property
     def rewinds(self) -> tuple[Rewind, ...]:
@@ -370,6 +371,9 @@ class GuardedFit:
         module = trainer.lightning_module  # None on a Trainer driven by hand: nothing recorded, nothing to check
         guard = GradientGuard(module, count_skipped_steps=self.checkpoint.count_skipped_steps, source=source,
                               device=trainer.strategy.root_device, spike_gate=self.checkpoint.spike_gate)
+        if self.decisions.resumed_spike_history is not None:  # a resumed fit's gate keeps its baseline
+            guard.load_state_dict({"spike_history": self.decisions.resumed_spike_history})
+            self.decisions.resumed_spike_history = None
         constants = sorted(guard.note_constant_buffers(module)) if module is not None else []
         for callback in getattr(trainer, "callbacks", ()):  # set by Lightning's callback connector
             averaged = averaged_weights(callback)

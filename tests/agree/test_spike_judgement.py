@@ -313,3 +313,19 @@ def test_a_gate_that_watches_only_the_loss_reads_the_gradients_as_often_as_no_ga
     assert reads["none"], "the dispatch mode saw no read of the gradients"
     assert reads["loss"] == reads["none"]
     assert len(reads["both"]) > len(reads["none"])  # the squares: a read of their own on a CPU
+
+
+def test_fabric_saves_and_loads_the_guards_spike_history_with_the_rest_of_the_state(tmp_path):
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = GradientGuard(model, spike_gate=SpikeGate(warmup_steps=3, history=10))
+    _train(guard, model, optimizer, steps=10)
+    learned = guard.state_dict()["spike_history"]
+    assert len(learned["loss"]) == 10 and len(learned["grad_norm"]) == 10
+    fabric.save(tmp_path / "state.ckpt", {"model": model, "guard": guard})
+    resumed = GradientGuard(model, spike_gate=SpikeGate(warmup_steps=3, history=10))
+    fabric.load(tmp_path / "state.ckpt", {"model": model, "guard": resumed})
+    assert resumed.state_dict()["spike_history"] == learned

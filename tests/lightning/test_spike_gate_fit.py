@@ -17,7 +17,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import QUIET, RecordingLogger
-from lightning_ckguard import FiniteGradCheckpoint, SpikeGate
+from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, SpikeGate
 
 BAD_BATCH = 20
 GATE = SpikeGate(warmup_steps=8, history=200)
@@ -61,7 +61,8 @@ class Regression(LightningModule):
 
 
 def fit(root: Any, data: list, policy: str = "skip", max_steps: int = 30, gate: SpikeGate | None = GATE,
-        **trainer_options: Any) -> tuple[FiniteGradCheckpoint, Regression, RecordingLogger, list[str]]:
+        ckpt_path: Any = None, **trainer_options: Any
+        ) -> tuple[FiniteGradCheckpoint, Regression, RecordingLogger, list[str]]:
     seed_everything(0)
     callback = FiniteGradCheckpoint(dirpath=os.path.join(root, "checkpoints"), filename="{step}",
                                     every_n_train_steps=1, save_top_k=-1, on_non_finite=policy, spike_gate=gate)
@@ -70,7 +71,7 @@ def fit(root: Any, data: list, policy: str = "skip", max_steps: int = 30, gate: 
     trainer = Trainer(max_steps=max_steps, limit_val_batches=0, callbacks=[callback], **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model)
+        trainer.fit(model, ckpt_path=ckpt_path)
     return callback, model, logger, [str(w.message) for w in caught if "FiniteGradCheckpoint" in str(w.message)]
 
 
@@ -127,3 +128,31 @@ def test_a_finite_run_with_the_gate_publishes_what_model_checkpoint_does(tmp_pat
                             save_top_k=-1)
     Trainer(max_steps=24, limit_val_batches=0, callbacks=[plain], **QUIET).fit(Regression(batches(40, bad=None)))
     assert sorted(os.listdir(tmp_path / "guarded" / "checkpoints")) == sorted(os.listdir(plain.dirpath))
+
+
+def test_a_resumed_fit_keeps_the_gates_baseline_and_catches_a_spike_at_its_first_step(tmp_path):
+    callback, *_ = fit(tmp_path / "first", batches(40, bad=None), max_steps=12)
+    resumed_from = tmp_path / "first" / "checkpoints" / "step=12.ckpt"
+    checkpoint = torch.load(resumed_from, weights_only=True)
+    history = checkpoint["callbacks"][callback.state_key]["spike_history"]
+    # every accepted step, the one this checkpoint publishes included
+    assert {measure: len(values) for measure, values in history.items()} == {"loss": 12, "grad_norm": 12}
+    spiking = [(x, y * 1e3) for x, y in batches(40, bad=None)]  # every batch after the resume spikes
+    callback, _, _, messages = fit(tmp_path / "resumed", spiking, max_steps=13, ckpt_path=resumed_from)
+    assert callback.rejection is None and any("the loss spiked at step 12" in m for m in messages), messages
+    # the same resume from a checkpoint without the history warms up again, and misses it
+    del checkpoint["callbacks"][callback.state_key]["spike_history"]
+    torch.save(checkpoint, tmp_path / "without_history.ckpt")
+    _, _, _, messages = fit(tmp_path / "control", spiking, max_steps=13, ckpt_path=tmp_path / "without_history.ckpt")
+    assert not any("spiked" in m for m in messages), messages
+
+
+def test_a_malformed_spike_history_is_a_value_error():
+    guard = GradientGuard(torch.nn.Linear(2, 1), spike_gate=SpikeGate())
+    with pytest.raises(ValueError, match="spike history of 'loss' must be a list of finite numbers"):
+        guard.load_state_dict({"spike_history": {"loss": [1.0, float("nan")]}})
+    with pytest.raises(ValueError, match="must be a mapping"):
+        guard.load_state_dict({"spike_history": [1.0]})
+    guard.load_state_dict({"spike_history": {"loss": [2.0] * 5, "unwatched": [1.0]}})
+    assert guard.state_dict() == {"spike_history": {"loss": [2.0] * 5, "grad_norm": []}}
+    assert GradientGuard(torch.nn.Linear(2, 1)).state_dict() == {}
