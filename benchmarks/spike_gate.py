@@ -374,7 +374,8 @@ class OnePassSquares:
     def __init__(self, fallback: object) -> None:
         self.fallback = fallback
 
-    def __call__(self, grads: list[Tensor], out_device: torch.device) -> tuple[Tensor, Tensor]:
+    def __call__(self, grads: list[Tensor], out_device: torch.device,
+                 replicas: object = None) -> tuple[Tensor, Tensor]:
         if not grads or any(g.dtype != torch.float32 or g.layout != torch.strided or g.device.type != "cpu"
                             for g in grads):
             return self.fallback(grads, out_device)

@@ -40,6 +40,7 @@ from lightning_ckguard.agree.agreement import (
 )
 from lightning_ckguard.agree.spikes import SpikeCheck, SpikeGate, SpikeHistory, StepMeasures, global_values, judge
 from lightning_ckguard.record.sources import GradientSource, ParameterGradients, unwrap_module
+from lightning_ckguard.record.squares import REPLICATED, SquaresLayout
 from lightning_ckguard.record.state_check import StateCheck
 from lightning_ckguard.record.state_sources import constant_buffers, named_state
 from lightning_ckguard.record.step_values import StepValues
@@ -116,23 +117,25 @@ class GradientGuard:
         indices, grads = gradients
         label = self._steps_seen if step is None else step
         num_parameters = len(self.source.parameter_names)
-        sharded, scale = self._how_squares_add_up()
+        layout = self._how_squares_add_up()
         if skipped is None and getattr(self.source, "defers_skip_outcome", False):
-            self.window.record_pending(indices, grads, label, num_parameters, sharded, scale)
+            self.window.record_pending(indices, grads, label, num_parameters, layout)
         else:
-            self.window.record(indices, grads, label, num_parameters, skipped, sharded, scale)
+            self.window.record(indices, grads, label, num_parameters, skipped, layout)
         self._steps_seen += 1
         if loss is not None:
             self.record_loss(loss)
 
-    def _how_squares_add_up(self) -> tuple[bool, float | Tensor]:
-        """For a spike gate that watches the gradient norm: whether the gradients just read are this rank's shard, and
-        the loss scale they still carry (DeepSpeed fp16). Without one nothing is asked of the source."""
+    def _how_squares_add_up(self) -> SquaresLayout:
+        """For a spike gate that watches the gradient norm: whether the gradients just read are this rank's shard, how
+        many ranks hold each, and the loss scale they still carry (DeepSpeed fp16). Without one nothing is asked of
+        the source."""
         if self.spike_gate is None or "grad_norm" not in self.spike_gate.measures:
-            return False, 1.0
+            return REPLICATED
         gradient_scale = getattr(self.source, "gradient_scale", None)
-        scale = gradient_scale() if gradient_scale is not None else 1.0
-        return bool(getattr(self.source, "shards_gradients", False)), scale
+        return SquaresLayout(sharded=bool(getattr(self.source, "shards_gradients", False)),
+                             scale=gradient_scale() if gradient_scale is not None else 1.0,
+                             replicas=getattr(self.source, "gradient_replicas", None))
 
     def record_loss(self, loss: Tensor | float) -> None:
         """Add a loss to the step under way, for a spike gate watching the loss (nothing without one): device-side,

@@ -57,6 +57,20 @@ def _local_tensor(grad: Tensor) -> Tensor:
     return to_local() if callable(to_local) else grad
 
 
+def replica_count(param: Tensor) -> int:
+    """How many ranks hold the same local part of ``param``: for a DTensor, the product of its mesh's sizes along the
+    dimensions it is replicated on (HSDP's replicate dimension, tensor-parallel ranks of a replicated parameter); 1
+    for anything else."""
+    placements, mesh = getattr(param, "placements", None), getattr(param, "device_mesh", None)
+    if placements is None or mesh is None:
+        return 1
+    count = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            count *= mesh.size(dim)
+    return count
+
+
 class ParameterIndex:
     """A stable index per parameter: the module's own names first, in ``named_parameters()`` order, then any other
     parameter (held by an optimizer but not named by the module) under a positional name, as first seen."""
@@ -94,11 +108,15 @@ class ParameterGradients:
     #: Whether the last gradients read were DTensor shards (FSDP2, tensor parallel), each rank's own part, rather
     #: than whole gradients every rank holds (DDP): how a spike gate adds up their squares over the ranks.
     shards_gradients = False
+    #: Per gradient of the last read, how many ranks hold the same shard of it (:func:`replica_count`); None where
+    #: each is one rank's alone.
+    gradient_replicas: tuple[int, ...] | None = None
 
     def __init__(self, module: nn.Module, parameters: ParameterIndex | None = None) -> None:
         # ``parameters``: an index to share with another source of the same module, so both use the same indices
         self._parameters = parameters if parameters is not None else ParameterIndex(module)
-        self._module_params: list[tuple[int, Tensor]] = [(self._parameters.add(p), p) for p in module.parameters()]
+        self._replicas: dict[int, int] = {}  # parameter index -> replica count, for counts other than 1
+        self._module_params: list[tuple[int, Tensor]] = [self._indexed(p) for p in module.parameters()]
         # per optimizer: (group sizes when cached, [(index, param)]); rebuilt when param groups change
         self._optimizer_params: dict[int, tuple[tuple[int, ...], list[tuple[int, Tensor]]]] = {}
 
@@ -112,9 +130,16 @@ class ParameterGradients:
         sizes = tuple(len(group["params"]) for group in groups)
         cached = self._optimizer_params.get(id(optimizer))
         if cached is None or cached[0] != sizes:
-            cached = (sizes, [(self._parameters.add(p), p) for group in groups for p in group["params"]])
+            cached = (sizes, [self._indexed(p) for group in groups for p in group["params"]])
             self._optimizer_params[id(optimizer)] = cached
         return cached[1]
+
+    def _indexed(self, param: Tensor) -> tuple[int, Tensor]:
+        index = self._parameters.add(param)
+        count = replica_count(param)
+        if count != 1:
+            self._replicas[index] = count
+        return index, param
 
     def local_gradients(self, optimizer: Any | None = None) -> tuple[tuple[int, ...], list[Tensor]]:
         """``param.grad`` (its local shard for a DTensor) of every parameter ``optimizer`` steps that has one."""
@@ -130,6 +155,8 @@ class ParameterGradients:
                 indices.append(index)
                 grads.append(local)
         self.shards_gradients = sharded
+        replicas = self._replicas
+        self.gradient_replicas = tuple(replicas.get(index, 1) for index in indices) if replicas else None
         return tuple(indices), grads
 
     def skipped_last_step(self) -> bool:
@@ -137,4 +164,4 @@ class ParameterGradients:
         return False
 
 
-__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex", "unwrap_module"]
+__all__ = ["GradientSource", "ParameterGradients", "ParameterIndex", "replica_count", "unwrap_module"]

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -26,6 +27,28 @@ from lightning_ckguard.record.finiteness import NonFiniteCheck, _dense_values
 _ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@dataclass(frozen=True)
+class SquaresLayout:
+    """How one rank's sum of squares of the gradients it read adds up to the global one, over the ranks.
+
+    Attributes:
+        sharded: This rank alone applies these gradients (a ZeRO partition, an FSDP shard): the ranks' sums add up as
+            they are. Otherwise every rank holds the same whole gradients (DDP), which count once.
+        scale: What the gradients are still multiplied by (a loss scale the optimizer divides out in its step),
+            divided out of their squares.
+        replicas: Per gradient read, how many ranks hold the same shard of it (HSDP's replicate dimension, a
+            parameter replicated over tensor-parallel ranks), so that its squares count once; None: each one rank.
+    """
+
+    sharded: bool = False
+    scale: float | Tensor = 1.0
+    replicas: tuple[int, ...] | None = None
+
+
+#: gradients every rank holds alike, as DDP's, carrying no loss scale
+REPLICATED = SquaresLayout()
+
+
 class FlagsAndSquares:
     """Per step: a bool tensor of per-gradient non-finite flags (as :class:`NonFiniteCheck` gives them) and the sum
     of squares of the gradients, a 0-d float64 tensor (not finite when a flag is set: a spike gate leaves such a step
@@ -34,16 +57,21 @@ class FlagsAndSquares:
     def __init__(self, check: NonFiniteCheck | None = None) -> None:
         self._check = check if check is not None else NonFiniteCheck()
 
-    def __call__(self, grads: Sequence[Tensor], out_device: torch.device) -> tuple[Tensor, Tensor]:
+    def __call__(self, grads: Sequence[Tensor], out_device: torch.device,
+                 replicas: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+        """``replicas``: per gradient, how many ranks hold the same one (:attr:`SquaresLayout.replicas`); its squares
+        are divided by that count."""
         values = [_dense_values(g) if g.layout != torch.strided or g.is_complex() else g for g in grads]
+        weights = [1.0 / count for count in replicas] if replicas is not None else None
         if _one_pass(values):
             with torch.no_grad():
-                norms = torch.stack(torch._foreach_norm(values, 2, dtype=torch.float64))
-            flags = norms.mul(0).ne(0)  # ~isfinite, as NonFiniteCheck computes it
-            # not finite with any flag set: the step is the finiteness check's, and a spike gate skips it
-            squares = norms.square().sum()
+                norm_list = torch._foreach_norm(values, 2, dtype=torch.float64)
+                norms = torch.stack(norm_list)
+                flags = norms.mul(0).ne(0)  # ~isfinite, as NonFiniteCheck computes it
+                # not finite with any flag set: the step is the finiteness check's, and a spike gate skips it
+                squares = norms.square().sum() if weights is None else _weighted_sum(norm_list, weights)
             return flags.to(out_device, non_blocking=True), squares.to(out_device, non_blocking=True)
-        return self._check(grads, out_device), _squares_in_own_precision(values, out_device)
+        return self._check(grads, out_device), _squares_in_own_precision(values, out_device, weights)
 
 
 class FlagsWithoutSquares:
@@ -53,7 +81,8 @@ class FlagsWithoutSquares:
     def __init__(self, check: NonFiniteCheck, zero: Tensor) -> None:
         self._check, self._zero = check, zero
 
-    def __call__(self, grads: Sequence[Tensor], out_device: torch.device) -> tuple[Tensor, Tensor]:
+    def __call__(self, grads: Sequence[Tensor], out_device: torch.device,
+                 replicas: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         return self._check(grads, out_device), self._zero
 
 
@@ -70,29 +99,44 @@ _DOT_DTYPES = (torch.float32, torch.float64)
 DOT_NUMEL = 1 << 12
 
 
-def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device) -> Tensor:
-    """The sum of squares of ``values``, each tensor's in its own precision (fp16 in fp32), summed in float64: a BLAS
-    dot for a large contiguous CPU tensor, a fused norm per (device, dtype) for the rest. A handful of kernels on top
-    of the reads: the per-tensor results are squared by one fused multiply and summed by one reduction per device."""
+def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device,
+                              weights: Sequence[float] | None = None) -> Tensor:
+    """The sum of squares of ``values``, each tensor's in its own precision (fp16 in fp32) and times its weight (all 1
+    without ``weights``), summed in float64: a BLAS dot for a large contiguous CPU tensor, a fused norm per (device,
+    dtype) for the rest. A handful of kernels on top of the reads: the per-tensor results are squared by one fused
+    multiply and summed by one reduction per device."""
     squares: list[Tensor] = []
-    by_group: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    order: list[int] = []  # the position in ``values`` of each entry of ``squares``
+    by_group: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
     with torch.no_grad():
-        for value in values:
+        for position, value in enumerate(values):
             if value.device.type == "cpu" and value.dtype in _DOT_DTYPES and value.numel() > DOT_NUMEL and (
                     value.is_contiguous()):
                 flat = value.view(-1)
                 squares.append(torch.dot(flat, flat))
+                order.append(position)
             else:
-                by_group.setdefault((value.device, value.dtype), []).append(value)
+                by_group.setdefault((value.device, value.dtype), []).append((position, value))
         for (_, dtype), group in by_group.items():
-            norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype == torch.float16 else None)
+            precision = torch.float32 if dtype == torch.float16 else None
+            norms = torch._foreach_norm([v for _, v in group], 2, dtype=precision)
             squares += torch._foreach_mul(norms, norms)
+            order += [position for position, _ in group]
         if not squares:
             return torch.zeros((), dtype=torch.float64, device=out_device)
+        if weights is not None:
+            torch._foreach_mul_(squares, [weights[position] for position in order])
         if any(square.device != out_device for square in squares):
             squares = [square.to(out_device, non_blocking=True) for square in squares]
         # stack promotes to the widest dtype; the sum accumulates in float64
         return torch.stack(squares).sum(dtype=torch.float64)
 
 
-__all__ = ["FlagsAndSquares", "FlagsWithoutSquares"]
+def _weighted_sum(norms: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
+    """The sum of ``weights[i] * norms[i] ** 2``, scalars passed as such (no host tensor made)."""
+    squares = torch._foreach_mul(list(norms), list(norms))
+    torch._foreach_mul_(squares, list(weights))
+    return torch.stack(squares).sum()
+
+
+__all__ = ["REPLICATED", "FlagsAndSquares", "FlagsWithoutSquares", "SquaresLayout"]

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_ckguard.record.finiteness import IndexTensors, NonFiniteCheck
-from lightning_ckguard.record.squares import FlagsAndSquares, FlagsWithoutSquares
+from lightning_ckguard.record.squares import REPLICATED, FlagsAndSquares, FlagsWithoutSquares, SquaresLayout
 from lightning_ckguard.record.step_values import StepValues
 
 #: How many offending parameter indices each rank reports at a boundary.
@@ -73,28 +73,24 @@ class NonFiniteWindow:
         step: int,
         num_parameters: int,
         skipped: Tensor | bool | None = None,
-        sharded: bool = False,
-        scale: float | Tensor = 1.0,
+        layout: SquaresLayout = REPLICATED,
     ) -> None:
         """Record one optimizer step: ``grads[j]`` is the local gradient of parameter ``indices[j]``.
 
         ``skipped`` is True (a 0-d device tensor or a bool) when a loss scaler skipped this step: it was never
-        applied. ``sharded``: this rank alone applies these gradients (a ZeRO partition, an FSDP shard), rather than
-        every rank the same ones (DDP); it says how their sum of squares adds up over the ranks. ``scale``: what the
-        gradients are still multiplied by (a loss scale the optimizer divides out in its step), divided out of their
-        sum of squares.
+        applied. ``layout``: how the gradients' sum of squares adds up over the ranks, for a spike gate.
         """
         self.settle(skipped=False)
-        self._count(self._observe(indices, grads, num_parameters, step, sharded, scale), step, skipped)
+        self._count(self._observe(indices, grads, num_parameters, step, layout), step, skipped)
 
     def record_pending(self, indices: tuple[int, ...], grads: Sequence[Tensor], step: int, num_parameters: int,
-                       sharded: bool = False, scale: float | Tensor = 1.0) -> None:
+                       layout: SquaresLayout = REPLICATED) -> None:
         """Record a step whose outcome (applied or skipped) is only known after the optimizer ran (DeepSpeed).
 
         :meth:`settle` completes it; a step still pending at the next record or summary counts as applied.
         """
         self.settle(skipped=False)
-        self._pending = (self._observe(indices, grads, num_parameters, step, sharded, scale), step)
+        self._pending = (self._observe(indices, grads, num_parameters, step, layout), step)
 
     @property
     def has_pending_step(self) -> bool:
@@ -109,7 +105,7 @@ class NonFiniteWindow:
             self._count(non_finite, step, skipped)
 
     def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int, step: int,
-                 sharded: bool, scale: float | Tensor) -> Tensor:
+                 layout: SquaresLayout) -> Tensor:
         self.steps_recorded += 1
         self.pending_rejection = False
         if num_parameters > self.parameter_counts.numel():
@@ -118,25 +114,26 @@ class NonFiniteWindow:
             self.parameter_counts = grown
             self._every_index = tuple(range(num_parameters))
         if not grads:
-            self._record_step_values(self._zero, self._false, step, sharded, 1.0)
+            self._record_step_values(self._zero, self._false, step, layout)
             return self._false
-        flags, squares = self._flags_and_squares(grads, self.device)
+        flags, squares = self._flags_and_squares(grads, self.device, layout.replicas)
         non_finite = flags.any()
-        self._record_step_values(squares, non_finite, step, sharded, scale)
+        self._record_step_values(squares, non_finite, step, layout)
         if indices == self._every_index:  # every parameter in index order (the usual step): no index tensor
             self.parameter_counts.add_(flags)
         else:
             self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
         return non_finite
 
-    def _record_step_values(self, squares: Tensor, non_finite: Tensor, step: int, sharded: bool,
-                            scale: float | Tensor) -> None:
+    def _record_step_values(self, squares: Tensor, non_finite: Tensor, step: int, layout: SquaresLayout) -> None:
         """With step values (a spike gate), the step's sum of squares goes there; an empty step's as zero, so that
         every rank fills the same slots."""
         if self.step_values is None:
             return
+        scale = layout.scale
         if isinstance(scale, Tensor) or scale != 1.0:  # a device tensor is divided out on the device, never read
             squares = squares / (scale * scale)
+        sharded = layout.sharded
         self.step_values.record_step(squares if sharded else None, None if sharded else squares, non_finite, step)
 
     def _count(self, non_finite: Tensor, step: int, skipped: Tensor | bool | None) -> None:

@@ -1,4 +1,5 @@
-"""The rank-faulty scenarios past two ranks: four real gloo processes, NaN on rank 1 only."""
+"""The rank-faulty scenarios past two ranks: four real gloo processes, NaN on rank 1 only; and, in the same launch,
+the spike gate's global gradient norm under HSDP (FSDP2 with 2 replicas of 2 shards)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from conftest import OUT, WorkerResults
 
-SCENARIOS = ["ddp-periodic-reject", "zero1-val_topk-reject", "ddp-periodic-finite"]
+SCENARIOS = ["ddp-periodic-reject", "zero1-val_topk-reject", "ddp-periodic-finite", "hsdp-spike-gate-norm"]
 
 
 # the module fixture launches with a 600 s wall-clock kill: let that, not pytest-timeout, stop a hang
@@ -33,3 +34,11 @@ def test_every_one_of_four_ranks_rejects_with_the_same_error(ranks, name):
 def test_four_finite_ranks_publish(ranks):
     assert all(results["ddp-periodic-finite"]["error"] is None for results in ranks)
     assert set(ranks[0]["ddp-periodic-finite"]["tree"]) == {f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)}
+
+
+def test_the_spike_gates_norm_under_hsdp_counts_each_replicated_shard_once(ranks):
+    for rank, results in enumerate(ranks):
+        run = results["hsdp-spike-gate-norm"]
+        measured = [step["grad_norm"] for step in run["measured"]]
+        assert measured == pytest.approx(run["full"], rel=1e-5), f"rank {rank}"
+        assert run["measured"] == ranks[0]["hsdp-spike-gate-norm"]["measured"]  # the same global values everywhere

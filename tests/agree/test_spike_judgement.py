@@ -176,6 +176,17 @@ def test_flags_stay_exact_and_the_squares_add_up(monkeypatch, one_pass):
         assert float(reader(grads[:2], cpu)[1]) == pytest.approx(finite, rel=1e-5)
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["cpu-two-passes", "one-pass"])
+def test_a_gradient_held_by_several_ranks_counts_its_squares_once(monkeypatch, one_pass):
+    if one_pass:
+        monkeypatch.setattr(squares, "_one_pass", lambda values: True)
+    # a large one (a dot on a CPU), a small one (the fused norm), an fp16 one; held by 2, 1 and 4 ranks
+    grads = [torch.randn(128, 64), torch.randn(7), torch.randn(9).half()]
+    each = [float(g.double().square().sum()) for g in grads]
+    _, total = FlagsAndSquares()(grads, torch.device("cpu"), replicas=(2, 1, 4))
+    assert float(total) == pytest.approx(each[0] / 2 + each[1] + each[2] / 4, rel=1e-3)
+
+
 def test_recording_with_the_gate_reads_nothing_back_and_communicates_nothing():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     guard = GradientGuard(model, spike_gate=SpikeGate())

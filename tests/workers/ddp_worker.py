@@ -1,6 +1,7 @@
 """Two-rank CPU/gloo scenarios, run by ``tests/lightning/test_ddp.py`` as ``python ddp_worker.py OUT_DIR``; also
 used by ``tests/agree/test_four_ranks.py`` and ``tests/agree/test_eight_ranks.py``, which run some of them on 4 and
-8 ranks (``python ddp_worker.py OUT_DIR SCENARIO ...`` with ``CKGUARD_TEST_DEVICES=4`` or ``8``).
+8 ranks (``python ddp_worker.py OUT_DIR SCENARIO ...`` with ``CKGUARD_TEST_DEVICES=4`` or ``8``); one scenario is only
+for 4 ranks (``hsdp-spike-gate-norm``: 2 replicas of 2 shards).
 
 Lightning's subprocess script launcher starts rank 1 by re-running this script. Every rank runs every scenario
 in order, in one process group, and writes what it observed to ``OUT_DIR/rank{N}.json``. A scenario that hangs
@@ -136,6 +137,41 @@ def guard_without_trainer(root: str) -> dict[str, Any]:
     return {"error": verdict.to_error().fields() if not verdict.accepted else None}
 
 
+def hsdp_spike_gate_norm(root: str) -> dict[str, Any]:
+    """The core on 4 ranks, no Trainer: FSDP2 with HSDP (``fully_shard`` on a 2 x 2 mesh: 2 replicas of 2 shards,
+    every rank its own batch), a ``GradientGuard`` with a spike gate, one agreement per step. Per step: the gate's
+    global gradient norm, and ``clip_grad_norm_`` of the full gradients (``full_tensor()``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_ckguard import GradientGuard, SpikeGate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = GradientGuard(model, spike_gate=SpikeGate(warmup_steps=1, history=10))
+    rank, measured, full = torch.distributed.get_rank(), [], []
+    for step in range(3):
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.record(optimizer, step=step, loss=loss.detach())
+        copies = []  # plain parameters holding the full gradients (a collective each, in the same order everywhere)
+        for param in model.parameters():
+            copies.append(torch.nn.Parameter(param.detach().full_tensor().clone()))
+            copies[-1].grad = param.grad.full_tensor().clone()
+        full.append(float(torch.nn.utils.clip_grad_norm_(copies, max_norm=float("inf"))))
+        verdict = guard.agree(torch.distributed.group.WORLD, global_step=step + 1)
+        measured.append({level.measure: level.window_max for level in verdict.spike_check.levels})
+        guard.reset()
+        optimizer.step()
+    return {"measured": measured, "full": full}
+
+
 def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
     table: dict[str, Callable[[str], dict[str, Any]]] = {}
     for zero1 in (False, True):
@@ -168,6 +204,8 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
     table["ddp-val_topk-move-fails"] = lambda root: run(root, "ddp-val_topk-move-fails", "top1_last", False, True,
                                                         refuse_move="epoch=1")
     table["process-group-guard"] = guard_without_trainer
+    if DEVICES == 4:
+        table["hsdp-spike-gate-norm"] = hsdp_spike_gate_norm
     return table
 
 
