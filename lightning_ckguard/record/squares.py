@@ -8,7 +8,7 @@
   and the sum of squares from a second pass in the gradients' own precision (fp16 in fp32): one BLAS dot per large
   fp32 or fp64 tensor, a fused ``_foreach_norm`` for the rest. A float64 norm costs several times more on a CPU (7x
   the whole record at 2 threads, ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16 norm is
-  rounded to bf16, a relative error of at most ``2**-8`` in the squares. A tensor whose squares overflow that
+  rounded to bf16 and squared in bf16, a relative error of at most about ``3 * 2**-8`` (1.2%) in the squares. A tensor whose squares overflow that
   precision (an fp32 gradient whose norm is above about ``1.8e19``) has a sum of squares of ``inf`` although it is
   finite: it is not flagged (the flags are exact), and a spike gate sees a value above every baseline, which it is.
 """
@@ -103,8 +103,8 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
                               weights: Sequence[float] | None = None) -> Tensor:
     """The sum of squares of ``values``, each tensor's in its own precision (fp16 in fp32) and times its weight (all 1
     without ``weights``), summed in float64: a BLAS dot for a large contiguous CPU tensor, a fused norm per (device,
-    dtype) for the rest. A handful of kernels on top of the reads: the per-tensor results are squared by one fused
-    multiply and summed by one reduction per device."""
+    dtype) for the rest. A handful of kernels on top of the reads: the norms are squared by one fused multiply per
+    group, weighted by one more (only with ``weights``), and everything is summed by one reduction."""
     squares: list[Tensor] = []
     order: list[int] = []  # the position in ``values`` of each entry of ``squares``
     by_group: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
