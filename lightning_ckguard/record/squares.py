@@ -8,9 +8,10 @@
   and the sum of squares from a second pass in the gradients' own precision (fp16 in fp32): one BLAS dot per large
   fp32 or fp64 tensor, a fused ``_foreach_norm`` for the rest. A float64 norm costs several times more on a CPU (7x
   the whole record at 2 threads, ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16 norm is
-  rounded to bf16 and squared in bf16, a relative error of at most about ``3 * 2**-8`` (1.2%) in the squares. A tensor whose squares overflow that
-  precision (an fp32 gradient whose norm is above about ``1.8e19``) has a sum of squares of ``inf`` although it is
-  finite: it is not flagged (the flags are exact), and a spike gate sees a value above every baseline, which it is.
+  rounded to bf16 and squared in bf16, a relative error of at most about ``3 * 2**-8`` (1.2%) in the squares. A
+  tensor whose squares overflow that precision (an fp32 gradient whose norm is above about ``1.8e19``) has a sum of
+  squares of ``inf`` although it is finite: it is not flagged (the flags are exact), and a spike gate sees a value
+  above every baseline, which it is.
 """
 
 from __future__ import annotations
