@@ -108,7 +108,7 @@ class ParameterGradients:
     #: Whether the last gradients read were DTensor shards (FSDP2, tensor parallel), each rank's own part, rather
     #: than whole gradients every rank holds (DDP): how a spike gate adds up their squares over the ranks.
     shards_gradients = False
-    #: Per gradient of the last read, how many ranks hold the same shard of it (:func:`replica_count`); None where
+    #: Per gradient of the last read, how many ranks hold the same shard of it (``replica_count``); None where
     #: each is one rank's alone.
     gradient_replicas: tuple[int, ...] | None = None
 
