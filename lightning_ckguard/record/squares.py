@@ -8,8 +8,8 @@
   and the sum of squares from a second pass in the gradients' own precision (fp16 in fp32): one BLAS dot per large
   fp32 or fp64 tensor, a fused ``_foreach_norm`` for the rest. A float64 norm costs several times more on a CPU (7x
   the whole record at 2 threads, ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16 norm is
-  rounded to bf16 and squared in bf16, a relative error of at most about ``3 * 2**-8`` (1.2%) in the squares. A
-  tensor whose squares overflow that precision (an fp32 gradient whose norm is above about ``1.8e19``) has a sum of
+  rounded to bf16 (a relative error of at most ``2**-8`` in the norm), then squared in float64. A tensor whose
+  squares overflow that precision (an fp32 gradient whose norm is above about ``1.8e19``) has a sum of
   squares of ``inf`` although it is finite: it is not flagged (the flags are exact), and a spike gate sees a value
   above every baseline, which it is.
 """
@@ -105,7 +105,8 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
     """The sum of squares of ``values``, each tensor's in its own precision (fp16 in fp32) and times its weight (all 1
     without ``weights``), summed in float64: a BLAS dot for a large contiguous CPU tensor, a fused norm per (device,
     dtype) for the rest. A handful of kernels on top of the reads: the norms are squared by one fused multiply per
-    group, weighted by one more (only with ``weights``), and everything is summed by one reduction."""
+    group (bf16 ones in float64, by three kernels), weighted by one more (only with ``weights``), and everything is
+    summed by one reduction."""
     squares: list[Tensor] = []
     order: list[int] = []  # the position in ``values`` of each entry of ``squares``
     by_group: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
@@ -121,7 +122,11 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
         for (_, dtype), group in by_group.items():
             precision = torch.float32 if dtype == torch.float16 else None
             norms = torch._foreach_norm([v for _, v in group], 2, dtype=precision)
-            squares += torch._foreach_mul(norms, norms)
+            if norms[0].dtype in _DOT_DTYPES:
+                squares += torch._foreach_mul(norms, norms)
+            else:  # bf16 norms squared in float64: rounded once, not twice
+                stacked = torch.stack(norms).to(torch.float64)
+                squares += stacked.mul(stacked).unbind()
             order += [position for position, _ in group]
         if not squares:
             return torch.zeros((), dtype=torch.float64, device=out_device)
