@@ -399,6 +399,23 @@ def cross_device_tmpdir_or_skip(reference: str) -> str:
     return tmpdir
 
 
+def whole(tensor: Tensor) -> Tensor:
+    """The whole tensor (a collective for a DTensor: every rank calls it together)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def unsharded_gradient_norm(parameters: Iterable[Tensor]) -> float:
+    """``clip_grad_norm_`` over plain copies of the full gradients of ``parameters`` (those that have one): DDP's are
+    whole already, a DTensor's shards are gathered (a collective per DTensor: every rank calls it together)."""
+    copies = []
+    for param in parameters:
+        if param.grad is not None:
+            copy = torch.nn.Parameter(whole(param.detach()).clone())
+            copy.grad = whole(param.grad).detach().clone()
+            copies.append(copy)
+    return float(torch.nn.utils.clip_grad_norm_(copies, max_norm=float("inf")))
+
+
 def run_scenarios(scenarios: dict[str, Callable[[str], dict[str, Any]]], out: str, only: set[str]) -> None:
     """Worker side: run each scenario (all of them, or those in ``only``) in order on this rank, rewriting
     ``out/rank{N}.json`` after each one, so a scenario that kills the process still leaves the earlier results."""

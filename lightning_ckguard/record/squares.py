@@ -70,7 +70,8 @@ class FlagsAndSquares:
                 norms = torch.stack(norm_list)
                 flags = norms.mul(0).ne(0)  # ~isfinite, as NonFiniteCheck computes it
                 # not finite with any flag set: the step is the finiteness check's, and a spike gate skips it
-                squares = norms.square().sum() if weights is None else _weighted_sum(norm_list, weights)
+                squares = norms.square().sum() if weights is None else _summed(
+                    list(torch._foreach_mul(norm_list, norm_list)), weights, out_device)
             return flags.to(out_device, non_blocking=True), squares.to(out_device, non_blocking=True)
         return self._check(grads, out_device), _squares_in_own_precision(values, out_device, weights)
 
@@ -130,19 +131,19 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
             order += [position for position, _ in group]
         if not squares:
             return torch.zeros((), dtype=torch.float64, device=out_device)
-        if weights is not None:
-            torch._foreach_mul_(squares, [weights[position] for position in order])
-        if any(square.device != out_device for square in squares):
-            squares = [square.to(out_device, non_blocking=True) for square in squares]
-        # stack promotes to the widest dtype; the sum accumulates in float64
-        return torch.stack(squares).sum(dtype=torch.float64)
+        in_order = [weights[position] for position in order] if weights is not None else None
+        return _summed(squares, in_order, out_device)
 
 
-def _weighted_sum(norms: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
-    """The sum of ``weights[i] * norms[i] ** 2``, scalars passed as such (no host tensor made)."""
-    squares = torch._foreach_mul(list(norms), list(norms))
-    torch._foreach_mul_(squares, list(weights))
-    return torch.stack(squares).sum()
+def _summed(squares: list[Tensor], weights: Sequence[float] | None, out_device: torch.device) -> Tensor:
+    """``sum(weights[i] * squares[i])`` in float64 on ``out_device`` (all weights 1 without ``weights``); the weights
+    go to one fused multiply as scalars, so no host tensor is made."""
+    if weights is not None:
+        torch._foreach_mul_(squares, list(weights))
+    if any(square.device != out_device for square in squares):
+        squares = [square.to(out_device, non_blocking=True) for square in squares]
+    # stack promotes to the widest dtype; the sum accumulates in float64
+    return torch.stack(squares).sum(dtype=torch.float64)
 
 
 __all__ = ["REPLICATED", "FlagsAndSquares", "FlagsWithoutSquares", "SquaresLayout"]

@@ -38,6 +38,7 @@ from helpers import (  # noqa: E402
     refuse_moves_to,
     run_scenarios,
     tree_digest,
+    unsharded_gradient_norm,
 )
 
 Trainer, seed_everything = lightning_module().Trainer, lightning_module().seed_everything
@@ -160,11 +161,7 @@ def hsdp_spike_gate_norm(root: str) -> dict[str, Any]:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         guard.record(optimizer, step=step, loss=loss.detach())
-        copies = []  # plain parameters holding the full gradients (a collective each, in the same order everywhere)
-        for param in model.parameters():
-            copies.append(torch.nn.Parameter(param.detach().full_tensor().clone()))
-            copies[-1].grad = param.grad.full_tensor().clone()
-        full.append(float(torch.nn.utils.clip_grad_norm_(copies, max_norm=float("inf"))))
+        full.append(unsharded_gradient_norm(model.parameters()))
         verdict = guard.agree(torch.distributed.group.WORLD, global_step=step + 1)
         measured.append({level.measure: level.window_max for level in verdict.spike_check.levels})
         guard.reset()

@@ -52,7 +52,15 @@ from strategies import make_strategy  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from helpers import QUIET, deepspeed_unavailable_reported, fit_outcome, ledger_state, run_scenarios  # noqa: E402
+from helpers import (  # noqa: E402
+    QUIET,
+    deepspeed_unavailable_reported,
+    fit_outcome,
+    ledger_state,
+    run_scenarios,
+    unsharded_gradient_norm,
+    whole,
+)
 from lightning_ckguard import FiniteGradCheckpoint, SpikeGate  # noqa: E402
 from lightning_ckguard.recover.rewind import REWIND_LOG_NAME  # noqa: E402
 
@@ -133,11 +141,6 @@ class Regression(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=LR)
 
 
-def _full(tensor: Tensor) -> Tensor:
-    """The whole tensor (a collective for a DTensor: every rank calls it together)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 class GateProbe(Callback):
     """What the gate measured at each boundary, and the full gradients' norm of each step (under DeepSpeed, whose
     gradients are not in ``param.grad``, the norm DeepSpeed computed itself)."""
@@ -167,15 +170,7 @@ class GateProbe(Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if hasattr(trainer.strategy, "deepspeed_engine"):
             return  # no param.grad: DeepSpeed's own norm is read after the step
-        # a plain copy of the full gradients: DDP's are whole already, FSDP2's shards are gathered
-        copies = []
-        for param in pl_module.parameters():
-            if param.grad is not None:
-                copy_ = nn.Parameter(_full(param.detach()).clone())
-                copy_.grad = _full(param.grad).detach().clone()
-                copies.append(copy_)
-        norm = torch.nn.utils.clip_grad_norm_(copies, max_norm=float("inf"))
-        self.unsharded_norms[int(trainer.global_step)] = float(norm)
+        self.unsharded_norms[int(trainer.global_step)] = unsharded_gradient_norm(pl_module.parameters())
 
 
 def replay(initial: dict[str, Tensor], indices: list[int], spiked: bool) -> list[dict[str, float]]:
@@ -250,7 +245,7 @@ def run(root: str, name: str, kind: str, indices: list[int], spiked: bool, on_no
                      "spikes": [asdict(s) for s in report.spikes]} if report is not None else None,
         rewinds=[r.as_dict() for r in callback.rewinds],
         state=ledger_state(callback),
-        weights=_lists({n: _full(p.detach()) for n, p in model.named_parameters()}),
+        weights=_lists({n: whole(p.detach()) for n, p in model.named_parameters()}),
     )
     if trainer.global_rank == 0:
         entries = sorted(os.listdir(dirpath)) if os.path.isdir(dirpath) else []
