@@ -183,8 +183,13 @@ def test_a_gradient_held_by_several_ranks_counts_its_squares_once(monkeypatch, o
     # a large one (a dot on a CPU), a small one (the fused norm), an fp16 one; held by 2, 1 and 4 ranks
     grads = [torch.randn(128, 64), torch.randn(7), torch.randn(9).half()]
     each = [float(g.double().square().sum()) for g in grads]
-    _, total = FlagsAndSquares()(grads, torch.device("cpu"), replicas=(2, 1, 4))
+    reader = FlagsAndSquares()
+    reader(grads, torch.device("cpu"), replicas=(2, 1, 4))  # the first read of a layout plans it
+    with CountOps() as ops:
+        _, total = reader(grads, torch.device("cpu"), replicas=(2, 1, 4))
     assert float(total) == pytest.approx(each[0] / 2 + each[1] + each[2] / 4, rel=1e-3)
+    # the weights go to the device as scalars: no host read, no tensor made of host values
+    assert ops.host_reads == 0 and not any(n.startswith("lift_fresh") for n in ops.names), ops.names
 
 
 def test_recording_with_the_gate_reads_nothing_back_and_communicates_nothing():
