@@ -26,7 +26,9 @@ fp32 norm pass), on one model and one optimizer, the rows taking turns step by s
 every 50 steps of each guard outside the timed step. Reported: median step times, the median of the per-round ratio
 gate on / gate off with a bootstrap 90% interval, and the record call timed inside the same steps (the precise
 figure: the implied step ratio). Host reads and collectives of the gate-on step are counted with a dispatch mode.
-Then where the gate's record cost goes: the same gradients read by each piece, interleaved.
+Then where the gate's record cost goes: the same gradients read by each piece, interleaved (hot: the same gradients
+again and again, so a second pass over them looks cheaper here than inside a training step, where the backward
+has just written them).
 
   transformer  end_to_end.py's causal LM (6 layers, d_model 512, vocabulary 8192, 27.4M parameters), batch 8 x 128,
                AdamW, 40 rounds
@@ -56,7 +58,7 @@ from _common import CountOps, interleaved, machine, median, ms, ratio_rows, tabl
 from lightning_ckguard import GradientGuard  # noqa: E402
 from lightning_ckguard.agree.spikes import SpikeGate, global_values  # noqa: E402
 from lightning_ckguard.record.finiteness import NonFiniteCheck  # noqa: E402
-from lightning_ckguard.record.squares import _squares_in_own_precision  # noqa: E402
+from lightning_ckguard.record.squares import FlagsAndSquares, _squares_in_own_precision  # noqa: E402
 from lightning_ckguard.record.step_values import StepValues  # noqa: E402
 
 MEASURES = ("loss", "grad_norm")
@@ -509,6 +511,7 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
     check = NonFiniteCheck()
     flags = check(grads, cpu)
     one_pass = OnePassSquares(None)
+    flags_and_squares = FlagsAndSquares()
     off = GradientGuard(model)
     on = GradientGuard(model, spike_gate=SpikeGate())
     values = StepValues(cpu)
@@ -533,8 +536,9 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
     rows = {
         "record, gate off": lambda: off.record(step=0),
         "record, gate on": record_on,
-        "NonFiniteCheck (flags)": lambda: check(grads, cpu),
-        "squares (the library's: a dot per large tensor)": lambda: _squares_in_own_precision(grads, cpu),
+        "NonFiniteCheck (flags; the gate off)": lambda: check(grads, cpu),
+        "flags and squares (the gate on: a dot per piece)": lambda: flags_and_squares(grads, cpu),
+        "squares in a pass of their own (whole tensors)": lambda: _squares_in_own_precision(grads, cpu),
         "squares: _foreach_norm fp32": lambda: torch._foreach_norm(grads, 2),
         "squares: _foreach_norm fp64": lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)),
         "proposal: flags and squares, one fp32 pass": lambda: one_pass(grads, cpu),

@@ -8,37 +8,40 @@ How a tensor is read depends on where it lives (measured in ``benchmarks/``):
 
 - **Accelerators**: one fused multi-tensor max-norm (``_foreach_norm(ord=inf)``, i.e. ``max |x|``) per device and
   dtype. It propagates ``NaN`` and cannot overflow.
-- **CPU, large tensors** (fp32, more than :data:`LARGE_NUMEL` elements): a *scaled probe*, ``sum(x * 2**-100)``,
-  computed by a matrix product with a constant vector: the tensor is viewed as an ``r x k`` matrix (``r * k ==
-  numel``, ``k`` about ``sqrt(numel)``) and reduced by ``c[1 x r] @ X @ c[k x 1]``. Every product ``x * 2**-100`` of
-  a finite ``x`` is finite and at most ``fp32 max * 2**-100 ~ 2.7e8``, so no partial sum of fewer than ``2**100``
-  elements can overflow, in any order of summation; an infinite ``x`` stays infinite, ``+inf + -inf`` and anything
-  with a ``NaN`` are ``NaN``. The probe is therefore finite exactly when every element is. A matrix product streams
-  the tensor once, multithreaded; all large tensors of a step go through two ``_foreach_mm`` calls, so per-tensor
-  Python work stays small. Which is faster, this probe or ``aminmax`` (the exact alternative), depends on the CPU and
-  its BLAS: with MKL on an Intel Xeon the probe runs at the speed of a plain ``sum`` and ``aminmax`` at 1.4-1.8x
-  that; on an AMD EPYC with 2 threads the probe costs 1.45x and ``aminmax`` 1.1-1.25x, and the probe loses on
-  many 100K-element tensors. So the first step of a gradient layout measures both on its own large gradients (a
-  warm-up read, then three timed reads each, once: the reading plan is cached) and keeps the faster
-  (:func:`cpu_large_tensor_reader`); ``CKGUARD_CPU_READER=probe`` or ``=aminmax`` fixes the choice. Both are exact,
-  so the choice only changes the speed. The probe needs true fp32 matrix products: when PyTorch is allowed to
-  compute fp32 matmuls in bf16/tf32 (``torch.backends.mkldnn.matmul.fp32_precision`` other than ``"ieee"``, e.g.
-  ``torch.set_float32_matmul_precision("medium")``), rounding the inputs could turn ``3.4e38`` into ``inf``, so fp32
-  falls back to ``aminmax``.
+- **CPU, large tensors** (fp32, more than :data:`LARGE_NUMEL` elements): read in pieces of :data:`PIECE_NUMEL`
+  elements (1 MiB), each by one exact reader. The *scaled probe*, ``sum(x * 2**-100)``, is a matrix-vector product:
+  the piece viewed as a :data:`PROBE_WIDTH`-column matrix times a constant vector (a tail shorter than a row, by a dot
+  with it). Every product ``x * 2**-100`` of a finite ``x`` is finite and at most ``fp32 max * 2**-100 ~ 2.7e8``, so
+  no partial sum of fewer than ``2**100`` elements can overflow, in any order of summation; an infinite ``x`` stays
+  infinite, ``+inf + -inf`` and anything with a ``NaN`` are ``NaN``. A probe (and the sum of a tensor's probes) is
+  therefore finite exactly when every element is. Which is faster, this probe or ``aminmax`` (the exact
+  alternative), depends on the CPU and its BLAS: with MKL on an Intel Xeon the probe runs at the speed of a plain
+  ``sum`` and ``aminmax`` at 1.4-1.8x that; on an AMD EPYC with 2 threads the probe costs 1.45x and ``aminmax``
+  1.1-1.25x. So the first step of a gradient layout measures both on its own large gradients (a warm-up read, then
+  three timed reads each, once: the reading plan is cached) and keeps the faster (:func:`cpu_large_tensor_reader`);
+  ``CKGUARD_CPU_READER=probe`` or ``=aminmax`` fixes the choice. Both are exact, so the choice only changes the
+  speed. The probe needs true fp32 matrix products: when PyTorch is allowed to compute fp32 matmuls in bf16/tf32
+  (``torch.backends.mkldnn.matmul.fp32_precision`` other than ``"ieee"``, e.g.
+  ``torch.set_float32_matmul_precision("medium")``), rounding the inputs could turn ``3.4e38`` into ``inf``, so the
+  pieces are read by ``aminmax``. Why pieces: a spike gate also needs the sum of squares, and no CPU kernel reads a
+  tensor once for both an exact flag and squares that cannot overflow. A second pass over a whole gradient finds it
+  evicted by then; a BLAS dot of each piece right after its read (:meth:`NonFiniteCheck.read` with ``squares``)
+  finds it in the core's cache. Inside a training step of the benchmark MLP, the squares then cost 0.4 ms instead
+  of 1.0 (``benchmarks/spike_gate.py``), and the flags alone cost less read in pieces than whole.
 - **CPU, small tensors** (at most :data:`SMALL_NUMEL` elements, fp32/fp64/bf16/fp16): tensors of one shape, when
   there are at least :data:`SMALL_BATCH_MIN` of them, are stacked into a small, bounded workspace
   (:data:`WORKSPACE_NUMEL` elements) and probed by one matrix-vector product per chunk, with the same scaling
   argument (``2**-14`` for fp16, whose outputs stay below ``4 * SMALL_NUMEL``). This replaces thousands of tiny
   per-tensor reductions by a few batched ones.
-- **Everything else** (mid-size tensors, small tensors of a rare shape, large fp64/bf16/fp16 tensors, fp32 under
-  reduced matmul precision, tensors that cannot be viewed as a matrix, other dtypes, and large fp32 tensors when
-  ``aminmax`` is the faster reader): ``torch.aminmax`` per tensor, one read-only pass without temporaries, written
-  straight into one preallocated ``(2, n)`` buffer per group, so a model of a few large tensors costs its reads plus
-  a handful of tiny kernels.
+- **Everything else** (mid-size tensors, small tensors of a rare shape, large fp64/bf16/fp16 tensors, tensors that
+  no permutation makes contiguous, other dtypes): ``torch.aminmax`` per tensor, one read-only pass without
+  temporaries, written straight into one preallocated ``(2, n)`` buffer per group, so a model of a few large tensors
+  costs its reads plus a handful of tiny kernels. With squares, a dot follows the read of each contiguous fp32 or
+  fp64 one.
 
-Per-parameter attribution is free: every probe is per tensor. Extra memory is O(number of gradient tensors) plus
-two bounded constants per dtype (the workspace and a scale vector of ``max(r)`` elements); no temporary is ever the
-size of a gradient. Nothing here reads a value back to the host.
+Per-parameter attribution is free: every probe is per tensor. Extra memory is O(number of gradient tensors and
+pieces) plus two bounded constants per dtype (the workspace and a scale vector); no temporary is ever the size of a
+gradient. Nothing here reads a value back to the host.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import partial
 from operator import attrgetter
 
 import torch
@@ -69,12 +72,19 @@ SMALL_BATCH_MIN = 4
 #: Elements of the per-dtype CPU workspace that small tensors are stacked into. It stays below PyTorch's and BLAS's
 #: thresholds for going multithreaded: on a busy machine, a parallel region per tiny chunk costs far more than it saves.
 WORKSPACE_NUMEL = 1 << 15
+#: Elements per piece of a large fp32 tensor on CPU (1 MiB): what a core's L2 cache holds on current server CPUs, so
+#: that a second reduction of the piece right after the first (a spike gate's sum of squares) reads it from there.
+#: Inside a training step (``benchmarks/spike_gate.py``), pieces of 512 KiB cost more calls than they save, 1-4 MiB
+#: about the same.
+PIECE_NUMEL = 1 << 18
+#: Columns of the matrix a piece is viewed as by the probe: its scale vector stays in L1.
+PROBE_WIDTH = 1 << 10
 
 # The probe's scale per dtype: small enough that no sum of scaled finite values can overflow, large enough to be a
 # normal number of that dtype. fp16 only uses the small-tensor probe, whose sums stay below 4 * SMALL_NUMEL.
 _SCALE = {torch.float32: 2.0**-100, torch.float64: 2.0**-100, torch.bfloat16: 2.0**-100, torch.float16: 2.0**-14}
-# Dtypes whose large tensors use the matrix probe on CPU; the others are cheaper with aminmax there (benchmarks/).
-_LARGE_PROBE_DTYPES = (torch.float32,)
+# Dtypes whose large tensors are read in pieces on CPU; the others are read whole by aminmax there (benchmarks/).
+_LARGE_PIECE_DTYPES = (torch.float32,)
 
 _signature = attrgetter("dtype", "layout", "device", "shape")
 
@@ -130,13 +140,6 @@ def _calibrate(read_with_probe: Callable[[], object], read_with_aminmax: Callabl
     return best
 
 
-def _foreach_mm(left: list[Tensor], right: list[Tensor]) -> list[Tensor]:
-    fused = getattr(torch, "_foreach_mm", None)  # PyTorch >= 2.10; one C++ loop instead of one Python call each
-    if fused is not None:
-        return fused(left, right)
-    return [torch.mm(a, b) for a, b in zip(left, right, strict=True)]
-
-
 class IndexTensors:
     """Device index tensors for lists of positions, cached so a steady training loop copies nothing per step."""
 
@@ -173,21 +176,6 @@ def _fp32_matmul_is_ieee() -> bool:
         return torch.get_float32_matmul_precision() == "highest"
 
 
-@lru_cache(maxsize=4096)
-def _matrix_shape(numel: int) -> tuple[int, int, int]:
-    """``(r, k, tail)`` with ``r * k + tail == numel``: the first ``r * k`` elements are read as an ``r x k`` matrix.
-
-    ``k`` is the largest divisor of ``numel`` not above ``sqrt(numel)`` when one is at least a sixteenth of it (no
-    tail), else a power of two near ``sqrt(numel)``; the ``tail < k`` remaining elements are read as a short vector.
-    """
-    root = math.isqrt(numel)
-    for k in range(root, max(root // 16, 8) - 1, -1):
-        if numel % k == 0:
-            return numel // k, k, 0
-    k = 1 << (root.bit_length() - 1)
-    return numel // k, k, numel % k
-
-
 def _flat_order(t: Tensor) -> tuple[int, ...] | None:
     """A permutation under which ``t`` is contiguous (``()`` if it already is), or None if there is none."""
     if t.is_contiguous():
@@ -207,38 +195,99 @@ class _Chunk:
     column: Tensor  # scale vector, (numel, 1)
 
 
-@dataclass
-class _LargeProbe:
-    """The scaled matrix probe of a group's large tensors: each is read as an ``r x k`` matrix (plus a short tail)
-    and reduced by ``row @ X @ column``; two ``_foreach_mm`` calls for all of them."""
+class _ProbePiece:
+    """The scaled probe of one piece: the piece viewed as a ``PROBE_WIDTH``-column matrix times the scale vector, and
+    the ``tail`` elements past its last full row as a dot with the scale. Each output is finite exactly where its
+    elements are, and at most ``PROBE_WIDTH * 2.7e8`` (see the module docstring)."""
 
-    members: list[int]
-    shapes: list[tuple[int, int]] = field(default_factory=list)
-    tails: list[int] = field(default_factory=list)  # elements past r * k, 0 for most tensors
-    orders: list[tuple[int, ...]] = field(default_factory=list)  # permutation under which each is contiguous
-    rows: list[Tensor] = field(default_factory=list)  # scale rows, (1, r)
-    columns: list[Tensor] = field(default_factory=list)  # scale columns, (k, 1)
-    tail_entries: Tensor | None = None  # entry index of each tensor with a tail
-    tail_rows: list[Tensor] = field(default_factory=list)  # scale rows, (1, tail)
+    def __init__(self, numel: int, outputs: Tensor, scale: Tensor) -> None:
+        rows, self.tail = divmod(numel, PROBE_WIDTH)
+        self.main = rows * PROBE_WIDTH  # the elements in full rows
+        self.column, self.tail_scale = scale[:PROBE_WIDTH], scale[: self.tail]
+        self.rows = outputs[:rows]
+        self.tail_output = outputs[rows] if self.tail else None
 
-    def read(self, values: list[Tensor]) -> Tensor:
-        """Per member: the probe, finite exactly where the tensor is."""
-        matrices: list[Tensor] = []
-        tails: list[Tensor] = []
-        for i, (r, k), tail, order in zip(self.members, self.shapes, self.tails, self.orders, strict=True):
-            value = values[i].permute(order) if order else values[i]
-            if tail:
-                flat = value.view(-1)
-                matrices.append(flat[: r * k].view(r, k))
-                tails.append(flat[r * k :].view(tail, 1))
-            else:
-                matrices.append(value.view(r, k))
-        partial = _foreach_mm(self.rows, matrices)  # (1, k) each
-        probe = torch.cat(_foreach_mm(partial, self.columns)).view(-1)
-        if tails:
-            assert self.tail_entries is not None
-            probe.index_add_(0, self.tail_entries, torch.cat(_foreach_mm(self.tail_rows, tails)).view(-1))
-        return probe
+    @staticmethod
+    def outputs_for(numel: int) -> int:
+        return -(-numel // PROBE_WIDTH)  # a row each, and one for a tail
+
+    def __call__(self, piece: Tensor) -> None:
+        if self.tail_output is None:
+            torch.mv(piece.view(-1, PROBE_WIDTH), self.column, out=self.rows)
+            return
+        if self.main:
+            torch.mv(piece[: self.main].view(-1, PROBE_WIDTH), self.column, out=self.rows)
+        torch.dot(piece[self.main :], self.tail_scale, out=self.tail_output)
+
+
+class _ExtremesPiece:
+    """``aminmax`` of one piece, into its two outputs."""
+
+    def __init__(self, numel: int, outputs: Tensor, scale: Tensor) -> None:
+        self.low, self.high = outputs[0], outputs[1]
+
+    @staticmethod
+    def outputs_for(numel: int) -> int:
+        return 2
+
+    def __call__(self, piece: Tensor) -> None:
+        torch.aminmax(piece, out=(self.low, self.high))
+
+
+class _LargePieces:
+    """The large fp32 tensors of a group, read in pieces of :data:`PIECE_NUMEL` elements by one exact reader (the
+    probe or ``aminmax``). With ``squares``, a BLAS dot of each piece follows its read, and finds it in cache: the sum
+    of squares for a spike gate, for the price of a read from L2 instead of one from memory."""
+
+    def __init__(self, members: list[int], values: list[Tensor], reader: str, scale: Tensor) -> None:
+        self.members = members
+        self.orders = [_flat_order(values[i]) or () for i in members]
+        piece_type = _ProbePiece if reader == "probe" else _ExtremesPiece
+        self.scaled = reader == "aminmax"  # its outputs are scaled before they are added up, the probe's already are
+        self.scale = scale[:1]
+        numels = [[min(PIECE_NUMEL, values[i].numel() - start) for start in range(0, values[i].numel(), PIECE_NUMEL)]
+                  for i in members]
+        counts = [[piece_type.outputs_for(n) for n in pieces] for pieces in numels]
+        self.outputs = torch.empty(sum(map(sum, counts)), dtype=torch.float32)
+        self.dots = torch.empty(sum(map(len, numels)), dtype=torch.float32)
+        self.readers: list[list[_ProbePiece | _ExtremesPiece]] = []
+        self.dot_outputs: list[list[Tensor]] = []
+        output_owners: list[int] = []
+        dot_owners: list[int] = []
+        start = 0
+        for entry, (pieces, piece_counts) in enumerate(zip(numels, counts, strict=True)):
+            readers: list[_ProbePiece | _ExtremesPiece] = []
+            for numel, count in zip(pieces, piece_counts, strict=True):
+                readers.append(piece_type(numel, self.outputs[start : start + count], scale))
+                start += count
+            self.readers.append(readers)
+            output_owners += [entry] * sum(piece_counts)
+            self.dot_outputs.append(list(self.dots[len(dot_owners) : len(dot_owners) + len(pieces)].unbind()))
+            dot_owners += [entry] * len(pieces)
+        self.output_owners = torch.tensor(output_owners, dtype=torch.int64)
+        self.dot_owners = torch.tensor(dot_owners, dtype=torch.int64)
+        self.probes = torch.zeros(len(members), dtype=torch.float32)
+        self.squares = torch.zeros(len(members), dtype=torch.float64)
+
+    def squares_taken(self) -> tuple[list[int], Tensor]:
+        """After a read with squares: the members and their sums of squares in float64."""
+        return self.members, self.squares
+
+    def read(self, values: list[Tensor], squares: bool = False) -> Tensor:
+        """Per member: a probe, finite exactly where the tensor is. With ``squares``, :attr:`squares` holds each
+        member's sum of squares afterwards (fp32 per piece, float64 across them)."""
+        for i, order, readers, dot_outputs in zip(self.members, self.orders, self.readers, self.dot_outputs,
+                                                  strict=True):
+            flat = (values[i].permute(order) if order else values[i]).view(-1)
+            for piece, read, dot_output in zip(flat.split(PIECE_NUMEL), readers, dot_outputs, strict=True):
+                read(piece)
+                if squares:
+                    torch.dot(piece, piece, out=dot_output)  # the piece just read, still in this core's cache
+        if squares:
+            self.squares.zero_().index_add_(0, self.dot_owners, self.dots.to(torch.float64))
+        if self.scaled:
+            self.outputs.mul_(self.scale)
+        return self.probes.zero_().index_add_(0, self.output_owners, self.outputs)
 
 
 @dataclass
@@ -249,20 +298,44 @@ class _Extremes:
     buffer: Tensor
     mins: list[Tensor] = field(init=False)
     maxs: list[Tensor] = field(init=False)
+    #: per member, the output of the dot that follows its read when squares are asked for; None: no dot (see
+    #: :meth:`take_squares`)
+    dot_outputs: list[Tensor | None] = field(init=False)
+    squared: list[int] = field(init=False, default_factory=list)  # the members with a dot
+    dots: Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.mins, self.maxs = list(self.buffer[0].unbind()), list(self.buffer[1].unbind())
+        self.dot_outputs = [None] * len(self.members)
+
+    def take_squares(self, values: list[Tensor]) -> None:
+        """Plan a BLAS dot after the read of each contiguous fp32 or fp64 member, while it is in cache (the others'
+        squares are left to the caller: a dot of fp16 overflows, one of bf16 rounds twice)."""
+        if self.buffer.dtype not in (torch.float32, torch.float64):
+            return
+        self.squared = [i for i in self.members if values[i].is_contiguous()]
+        self.dots = torch.empty(len(self.squared), dtype=self.buffer.dtype, device=self.buffer.device)
+        outputs = iter(self.dots.unbind())
+        self.dot_outputs = [next(outputs) if values[i].is_contiguous() else None for i in self.members]
 
     @classmethod
     def over(cls, members: list[int], dtype: torch.dtype, device: torch.device) -> _Extremes:
         """A reader of ``members`` (tensors of ``dtype`` on ``device``) with its own buffer."""
         return cls(members, torch.empty(2, len(members), dtype=dtype, device=device))
 
-    def read(self, values: list[Tensor]) -> Tensor:
-        """Per member: True where the tensor holds a non-finite value."""
-        for i, low, high in zip(self.members, self.mins, self.maxs, strict=True):
+    def read(self, values: list[Tensor], squares: bool = False) -> Tensor:
+        """Per member: True where the tensor holds a non-finite value. With ``squares``, :attr:`dots` holds the sum
+        of squares of each member of :attr:`squared` afterwards."""
+        for i, low, high, dot_output in zip(self.members, self.mins, self.maxs, self.dot_outputs, strict=True):
             torch.aminmax(values[i], out=(low, high))
+            if squares and dot_output is not None:
+                flat = values[i].view(-1)
+                torch.dot(flat, flat, out=dot_output)  # the tensor just read, still in cache
         return _non_finite(self.buffer).any(dim=0)
+
+    def squares_taken(self) -> tuple[list[int], Tensor] | None:
+        """After a read with squares: the members with a dot and their sums of squares in float64."""
+        return (self.squared, self.dots.to(torch.float64)) if self.dots is not None and self.squared else None
 
 
 @dataclass
@@ -271,7 +344,7 @@ class _Group:
 
     device: torch.device
     positions: list[int] = field(default_factory=list)  # positions in the input, in entry order
-    large: _LargeProbe | None = None
+    large: _LargePieces | None = None
     chunks: list[_Chunk] = field(default_factory=list)
     extremes: _Extremes | None = None  # read by aminmax, in input order
     norms: list[int] = field(default_factory=list)  # accelerators
@@ -283,6 +356,25 @@ class _Plan:
     groups: list[_Group]
     converted: list[int]  # positions of sparse or complex gradients
     identity: bool  # one group whose entry order is the input order, nothing empty
+
+
+@dataclass(frozen=True)
+class TakenSquares:
+    """The sums of squares :meth:`NonFiniteCheck.read` took along: ``squares[j]`` (float64, on the CPU) is that of the
+    gradient at position ``positions[j]``. Valid until the next read."""
+
+    positions: list[int]
+    squares: Tensor
+
+
+def _squares_taken(groups: list[_Group]) -> TakenSquares | None:
+    parts = [part for g in groups for reader in (g.large, g.extremes) if reader is not None
+             for part in [reader.squares_taken()] if part is not None]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return TakenSquares(*parts[0])
+    return TakenSquares([i for positions, _ in parts for i in positions], torch.cat([sq for _, sq in parts]))
 
 
 class NonFiniteCheck:
@@ -302,6 +394,14 @@ class NonFiniteCheck:
 
     def __call__(self, grads: Sequence[Tensor], out_device: torch.device) -> Tensor:
         """Return a bool tensor on ``out_device``: ``flags[i]`` is True when ``grads[i]`` is not finite."""
+        return self.read(grads, out_device)[0]
+
+    def read(self, grads: Sequence[Tensor], out_device: torch.device,
+             squares: bool = False) -> tuple[Tensor, TakenSquares | None]:
+        """The flags, as calling this object gives them. With ``squares``, also the sums of squares of the CPU
+        gradients whose squares a BLAS dot could take right after their exact read, from cache: the large fp32 ones
+        (piece by piece) and the contiguous fp32 and fp64 ones read by ``aminmax``; None when there were none. The
+        others' squares are the caller's to read."""
         ieee = _fp32_matmul_is_ieee()
         key = (ieee, *map(_signature, grads))
         values = list(grads)
@@ -312,39 +412,41 @@ class NonFiniteCheck:
             plan = self._plans[key] = self._plan(values, ieee)
         for i in plan.converted:
             values[i] = _dense_values(values[i])
+        taken = None
         with torch.no_grad():
             try:
-                parts = [self._read(group, values) for group in plan.groups]
+                parts = [self._read(group, values, squares) for group in plan.groups]
+                taken = _squares_taken(plan.groups) if squares else None
             except RuntimeError:
                 # a gradient whose strides changed since the plan was made (no longer viewable as planned):
                 # read everything with the plan-free exact reduction
                 self._plans.pop(key, None)
                 parts = [_extremes_non_finite([values[i] for i in g.positions], g.device) for g in plan.groups]
         if plan.identity:
-            return parts[0].to(out_device, non_blocking=True)
+            return parts[0].to(out_device, non_blocking=True), taken
         flags = torch.zeros(len(values), dtype=torch.bool, device=out_device)
         for group, bad in zip(plan.groups, parts, strict=True):
             index = group.index.get(out_device)
             if index is None:
                 index = group.index[out_device] = torch.tensor(group.positions, dtype=torch.int64, device=out_device)
             flags.index_copy_(0, index, bad.to(out_device, non_blocking=True))
-        return flags
+        return flags, taken
 
     # ------------------------------------------------------------------ reading
 
-    def _read(self, group: _Group, values: list[Tensor]) -> Tensor:
-        """Per entry of ``group``: True where the tensor holds a non-finite value."""
+    def _read(self, group: _Group, values: list[Tensor], squares: bool = False) -> Tensor:
+        """Per entry of ``group``: True where the tensor holds a non-finite value (``squares``: see :meth:`read`)."""
         if group.norms:
             return _extremes_non_finite([values[i] for i in group.norms], group.device)
         bad: list[Tensor] = []
-        probes = [] if group.large is None else [group.large.read(values)]
+        probes = [] if group.large is None else [group.large.read(values, squares)]
         for chunk in group.chunks:
             torch.stack([values[i] for i in chunk.members], out=chunk.stacked)
             probes.append(torch.mm(chunk.matrix, chunk.column).view(-1))
         if probes:
             bad.append(_non_finite(torch.cat(probes) if len(probes) > 1 else probes[0]))
         if group.extremes is not None:
-            bad.append(group.extremes.read(values))
+            bad.append(group.extremes.read(values, squares))
         return torch.cat(bad) if len(bad) > 1 else bad[0]
 
     # ------------------------------------------------------------------ planning (once per layout)
@@ -377,20 +479,12 @@ class NonFiniteCheck:
             numel = values[i].numel()
             if probe and numel <= SMALL_NUMEL:
                 by_shape.setdefault(tuple(values[i].shape), []).append(i)
-            elif probe and numel > LARGE_NUMEL and dtype in _LARGE_PROBE_DTYPES and _flat_order(values[i]) is not None:
+            elif numel > LARGE_NUMEL and dtype in _LARGE_PIECE_DTYPES and _flat_order(values[i]) is not None:
                 large.append(i)
             else:
                 extremes.append(i)
         if large:
-            group.large = self._plan_large_probe(device, dtype, large, values)
-            reader = _forced_reader() or _calibrate(
-                partial(group.large.read, values),
-                partial(_Extremes.over(large, dtype, device).read, values),  # the aminmax path as it would run
-                sum(values[i].numel() for i in large),
-            )
-            if reader == "aminmax":
-                group.large = None
-                extremes += large
+            group.large = self._plan_large_pieces(large, values, ieee)
         # a shape with few members is cheaper read by aminmax than stacked and probed (benchmarks/)
         for shape in [shape for shape, indices in by_shape.items() if len(indices) < SMALL_BATCH_MIN]:
             extremes += by_shape.pop(shape)
@@ -399,31 +493,22 @@ class NonFiniteCheck:
         if extremes:
             extremes.sort()
             group.extremes = _Extremes.over(extremes, dtype, device)
+            group.extremes.take_squares(values)
         group.positions = ([] if group.large is None else group.large.members) + [
             i for c in group.chunks for i in c.members] + extremes
         return group
 
-    def _plan_large_probe(
-        self, device: torch.device, dtype: torch.dtype, members: list[int], values: list[Tensor]
-    ) -> _LargeProbe:
-        probe = _LargeProbe(members)
-        shapes = [_matrix_shape(values[i].numel()) for i in members]
-        scale = self._scale(device, dtype, max(max(r, k) for r, k, _ in shapes))
-        tail_entries = []
-        for entry, (i, (r, k, tail)) in enumerate(zip(members, shapes, strict=True)):
-            order = _flat_order(values[i])
-            assert order is not None
-            probe.shapes.append((r, k))
-            probe.tails.append(tail)
-            probe.orders.append(order)
-            probe.rows.append(scale[:r].view(1, r))
-            probe.columns.append(scale[:k].view(k, 1))
-            if tail:
-                tail_entries.append(entry)
-                probe.tail_rows.append(scale[:tail].view(1, tail))
-        if tail_entries:
-            probe.tail_entries = torch.tensor(tail_entries, dtype=torch.int64, device=device)
-        return probe
+    def _plan_large_pieces(self, members: list[int], values: list[Tensor], ieee: bool) -> _LargePieces:
+        """The large fp32 tensors' reader: the probe or ``aminmax`` as forced, else the faster of the two on these
+        gradients (measured once per layout). Without exact fp32 matrix products, ``aminmax``."""
+        scale = self._scale(torch.device("cpu"), torch.float32, PROBE_WIDTH)
+        reader = _forced_reader() if ieee else "aminmax"
+        if reader is None:
+            readers = {name: _LargePieces(members, values, name, scale) for name in CPU_READERS}
+            reader = _calibrate(partial(readers["probe"].read, values), partial(readers["aminmax"].read, values),
+                                sum(values[i].numel() for i in members))
+            return readers[reader]
+        return _LargePieces(members, values, reader, scale)
 
     def _plan_chunks(
         self, device: torch.device, dtype: torch.dtype, by_shape: dict[tuple[int, ...], list[int]]

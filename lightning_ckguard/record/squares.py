@@ -4,12 +4,15 @@
   float64 (``_foreach_norm(dtype=float64)``). Its squares cannot overflow: the largest fp32 value squared is about
   ``1.2e77``, and float64 holds sums of ``1e231`` of those. So a norm is finite exactly when its tensor is, and the
   same pass gives the exact per-tensor finiteness flags and the sum of squares.
-- **Everything else** (CPU, fp64 gradients): the finiteness flags come from :class:`NonFiniteCheck`, exact as ever,
-  and the sum of squares from a second pass in the gradients' own precision (fp16 in fp32): one BLAS dot per large
-  fp32 or fp64 tensor, a fused ``_foreach_norm`` for the rest. A float64 norm costs several times more on a CPU (7x
-  the whole record at 2 threads, ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16 norm is
-  rounded to bf16 (a relative error of at most ``2**-8`` in the norm), then squared in float64. A tensor whose
-  squares overflow that precision (an fp32 gradient whose norm is above about ``1.8e19``) has a sum of
+- **Everything else** (CPU, fp64 gradients): the finiteness flags come from :class:`NonFiniteCheck`, exact as ever.
+  The fp32 and fp64 gradients it reads by the probe in pieces (the large fp32 ones) or by ``aminmax`` give their
+  squares too: a BLAS dot of each piece or tensor right after its exact read, which finds it in the core's cache
+  (:meth:`NonFiniteCheck.read`). The other gradients' squares (small ones read in batches, fp16, bf16) take a pass
+  of their own, in their own precision (fp16 in fp32): a BLAS dot per fp32 or fp64 tensor above
+  :data:`DOT_NUMEL` elements, a fused ``_foreach_norm`` for the rest. A float64 norm costs several times more on a
+  CPU (7x the whole record at 2 threads, ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16
+  norm is rounded to bf16 (a relative error of at most ``2**-8`` in the norm), then squared in float64. A tensor
+  whose squares overflow that precision (an fp32 gradient or piece whose norm is above about ``1.8e19``) has a sum of
   squares of ``inf`` although it is finite: it is not flagged (the flags are exact), and a spike gate sees a value
   above every baseline, which it is.
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_ckguard.record.finiteness import NonFiniteCheck, _dense_values
+from lightning_ckguard.record.finiteness import NonFiniteCheck, TakenSquares, _dense_values
 
 # dtypes whose float64 2-norm cannot overflow, so that its finiteness is the tensor's
 _ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -57,6 +60,7 @@ class FlagsAndSquares:
 
     def __init__(self, check: NonFiniteCheck | None = None) -> None:
         self._check = check if check is not None else NonFiniteCheck()
+        self._rest: dict[tuple[int, ...], list[int]] = {}  # per layout: the gradients whose squares are read apart
 
     def __call__(self, grads: Sequence[Tensor], out_device: torch.device,
                  replicas: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
@@ -73,7 +77,28 @@ class FlagsAndSquares:
                 squares = norms.square().sum() if weights is None else _summed(
                     list(torch._foreach_mul(norm_list, norm_list)), weights, out_device)
             return flags.to(out_device, non_blocking=True), squares.to(out_device, non_blocking=True)
-        return self._check(grads, out_device), _squares_in_own_precision(values, out_device, weights)
+        flags, taken = self._check.read(grads, out_device, squares=True)
+        if taken is None:
+            return flags, _squares_in_own_precision(values, out_device, weights)
+        return flags, self._taken_and_the_rest(taken, values, out_device, weights)
+
+    def _taken_and_the_rest(self, taken: TakenSquares, values: Sequence[Tensor], out_device: torch.device,
+                            weights: Sequence[float] | None) -> Tensor:
+        """The sum of the squares the flags' read took along and of the rest's, read here in a pass of their own."""
+        taken_weights = None if weights is None else [weights[i] for i in taken.positions]
+        squares = (taken.squares.sum() if taken_weights is None
+                   else _summed(list(taken.squares.unbind()), taken_weights, taken.squares.device))
+        key = (len(values), *taken.positions)
+        rest = self._rest.get(key)
+        if rest is None:
+            if len(self._rest) >= NonFiniteCheck.MAX_PLANS:
+                self._rest.clear()
+            rest = self._rest[key] = sorted(set(range(len(values))) - set(taken.positions))
+        if not rest:
+            return squares.to(out_device, non_blocking=True)
+        rest_weights = None if weights is None else [weights[i] for i in rest]
+        return squares.to(out_device, non_blocking=True) + _squares_in_own_precision(
+            [values[i] for i in rest], out_device, rest_weights)
 
 
 class FlagsWithoutSquares:

@@ -159,43 +159,47 @@ def test_micro_batch_losses_add_up_to_their_steps_whichever_side_of_the_step_the
 def test_flags_stay_exact_and_the_squares_add_up(monkeypatch, one_pass):
     if one_pass:  # the accelerator path, run on CPU tensors: fp64 norms give the flags and the squares at once
         monkeypatch.setattr(squares, "_one_pass", lambda values: True)
-    # large enough for a BLAS dot on a CPU, small enough for the fused norm, 3e38 (finite), a NaN
-    grads = [torch.randn(128, 64), torch.randn(7), torch.tensor([3e38, -3e38, 1.0]), torch.tensor([1.0, float("nan")])]
+    # read in pieces with its flags on a CPU, large enough for a BLAS dot, small enough for the fused norm, 3e38
+    # (finite), a NaN
+    grads = [torch.randn(300, 1000), torch.randn(128, 64), torch.randn(7), torch.tensor([3e38, -3e38, 1.0]),
+             torch.tensor([1.0, float("nan")])]
     reader, cpu = FlagsAndSquares(), torch.device("cpu")
     flags, total = reader(grads, cpu)
-    assert flags.tolist() == [False, False, False, True]  # 3e38 is finite, whatever its square is
+    assert flags.tolist() == [False, False, False, False, True]  # 3e38 is finite, whatever its square is
     assert total.isnan(), "a step with a non-finite gradient has no sum of squares: it is the finiteness check's"
-    finite = sum(float(g.double().square().sum()) for g in grads[:2])
-    flags, total = reader(grads[:3], cpu)
+    finite = sum(float(g.double().square().sum()) for g in grads[:3])
+    flags, total = reader(grads[:4], cpu)
     assert not flags.any()
     if one_pass:
-        large = float(grads[2][0])  # 3e38 as fp32 holds it
+        large = float(grads[3][0])  # 3e38 as fp32 holds it
         assert float(total) == pytest.approx(finite + 2 * large**2 + 1, rel=1e-12)
     else:  # in fp32 on a CPU: the squares of 3e38 overflow, and the step is above every baseline
         assert float(total) == math.inf
-        assert float(reader(grads[:2], cpu)[1]) == pytest.approx(finite, rel=1e-5)
+        assert float(reader(grads[:3], cpu)[1]) == pytest.approx(finite, rel=1e-5)
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["cpu-two-passes", "one-pass"])
 def test_a_gradient_held_by_several_ranks_counts_its_squares_once(monkeypatch, one_pass):
     if one_pass:
         monkeypatch.setattr(squares, "_one_pass", lambda values: True)
-    # a large one (a dot on a CPU), a small one (the fused norm), an fp16 one; held by 2, 1 and 4 ranks
-    grads = [torch.randn(128, 64), torch.randn(7), torch.randn(9).half()]
+    # a mid-size one (a dot on a CPU), a small one (the fused norm), an fp16 one, one read in pieces with its flags on
+    # a CPU; held by 2, 1, 4 and 8 ranks
+    grads = [torch.randn(128, 64), torch.randn(7), torch.randn(9).half(), torch.randn(300, 1000)]
     each = [float(g.double().square().sum()) for g in grads]
     reader = FlagsAndSquares()
-    reader(grads, torch.device("cpu"), replicas=(2, 1, 4))  # the first read of a layout plans it
+    reader(grads, torch.device("cpu"), replicas=(2, 1, 4, 8))  # the first read of a layout plans it
     with CountOps() as ops:
-        _, total = reader(grads, torch.device("cpu"), replicas=(2, 1, 4))
-    assert float(total) == pytest.approx(each[0] / 2 + each[1] + each[2] / 4, rel=1e-3)
+        _, total = reader(grads, torch.device("cpu"), replicas=(2, 1, 4, 8))
+    assert float(total) == pytest.approx(each[0] / 2 + each[1] + each[2] / 4 + each[3] / 8, rel=1e-3)
     # the weights go to the device as scalars: no host read, no tensor made of host values
     assert ops.host_reads == 0 and not any(n.startswith("lift_fresh") for n in ops.names), ops.names
 
 
-def test_recording_with_the_gate_reads_nothing_back_and_communicates_nothing():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+@pytest.mark.parametrize("width", [4, 512], ids=["small", "read-in-pieces"])
+def test_recording_with_the_gate_reads_nothing_back_and_communicates_nothing(width):
+    model = torch.nn.Sequential(torch.nn.Linear(width, 8 * width), torch.nn.Tanh(), torch.nn.Linear(8 * width, 1))
     guard = GradientGuard(model, spike_gate=SpikeGate())
-    loss = model(torch.randn(5, 4)).pow(2).mean()
+    loss = model(torch.randn(5, width)).pow(2).mean()
     loss.backward()
     guard.record(step=0, loss=loss.detach())  # warm the caches
     with CountOps() as ops:

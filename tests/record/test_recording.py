@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import HOST_READS, QUIET, CountOps, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint, GradientGuard
@@ -157,6 +158,75 @@ def test_every_cpu_read_path_is_exact(shape, value, reader, monkeypatch):
         other = grad.t() if grad.dim() == 2 else grad
         flags = NonFiniteCheck()([torch.ones(3), grad, other, *same_shape], cpu)
         assert flags.tolist() == [False, True, True] + [False] * len(same_shape)
+
+
+PIECE, WIDTH = finiteness.PIECE_NUMEL, finiteness.PROBE_WIDTH
+# two full pieces and a last one of 3 full probe rows and a tail of 5 elements
+PIECED = 2 * PIECE + 3 * WIDTH + 5
+
+
+@pytest.mark.parametrize("reader", ["probe", "aminmax"])
+@pytest.mark.parametrize("position", [0, PIECE - 1, PIECE, 2 * PIECE + 3 * WIDTH - 1, PIECED - 1],
+                         ids=["first", "end-of-piece", "next-piece", "last-full-row", "tail"])
+def test_large_tensors_read_in_pieces_are_exact_and_give_their_squares(position, reader, monkeypatch):
+    monkeypatch.setenv("CKGUARD_CPU_READER", reader)
+    cpu, largest = torch.device("cpu"), torch.finfo(torch.float32).max
+    assert not NonFiniteCheck()([torch.full((PIECED,), largest), torch.full((PIECED,), -largest)], cpu).any()
+    torch.manual_seed(0)
+    grads = [torch.randn(PIECED), torch.randn(7), torch.randn(PIECED // 5, 5).t()]  # the last: transposed
+    flags, taken = NonFiniteCheck().read(grads, cpu, squares=True)
+    # the two large ones in pieces, the small one (read by aminmax) whole
+    assert not flags.any() and taken is not None and sorted(taken.positions) == [0, 1, 2]
+    expected = [float(grads[i].double().square().sum()) for i in taken.positions]
+    assert taken.squares.tolist() == pytest.approx(expected, rel=1e-5)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for bad in (0, 2):
+            planted = list(grads)
+            contiguous = grads[bad].clone() if bad == 0 else grads[2].t().clone()  # permuted back to contiguous
+            contiguous.view(-1)[position] = value
+            planted[bad] = contiguous if bad == 0 else contiguous.t()
+            flags, taken = NonFiniteCheck().read(planted, cpu, squares=True)
+            assert flags.tolist() == [bad == 0, False, bad == 2], (value, bad)
+            assert not taken.squares[taken.positions.index(bad)].isfinite()
+
+
+class _PieceReads(TorchDispatchMode):
+    """The ATen ops that read part of ``grad``'s memory, in order: (op, first element, elements)."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        super().__init__()
+        self.storage, self.reads = grad.untyped_storage().data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() == self.storage and (
+                    func.__name__.split(".")[0] not in ("view", "split", "slice", "permute")):
+                self.reads.append((func.__name__.split(".")[0], arg.storage_offset(), arg.numel()))
+                break
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("reader", ["probe", "aminmax"])
+def test_the_squares_of_a_large_gradient_are_read_piece_by_piece_right_after_its_flags(reader, monkeypatch):
+    # the point of reading in pieces: the dot of a piece follows the exact read of the same piece, in cache; a second
+    # pass over the whole gradient would read it back from memory
+    monkeypatch.setenv("CKGUARD_CPU_READER", reader)
+    grad, check = torch.randn(PIECED), NonFiniteCheck()
+    check.read([grad], torch.device("cpu"), squares=True)  # the first read of a layout plans it
+    with _PieceReads(grad) as mode:
+        check.read([grad], torch.device("cpu"), squares=True)
+    starts = [0, PIECE, 2 * PIECE]
+    flag_ops = ["mv", "dot"] if reader == "probe" else ["aminmax"]
+    flag_reads = [(r[0], r[1]) for r in mode.reads if r[0] != "dot" or r[2] <= 5]  # the tail's probe is a dot of 5
+    assert [offset for _, offset in flag_reads if _ in flag_ops] and all(r[2] <= PIECE for r in mode.reads)
+    squares = [i for i, r in enumerate(mode.reads) if r[0] == "dot" and r[2] > 5]
+    assert [mode.reads[i][1:] for i in squares] == [(start, min(PIECE, PIECED - start)) for start in starts]
+    for i, start in zip(squares, starts, strict=True):  # each dot right after the read of its own piece
+        assert mode.reads[i - 1][0] in flag_ops and start <= mode.reads[i - 1][1] < start + PIECE
+    # without squares, no dot of a whole piece
+    with _PieceReads(grad) as mode:
+        check([grad], torch.device("cpu"))
+    assert not [r for r in mode.reads if r[0] == "dot" and r[2] > 5]
 
 
 def test_reduced_fp32_matmul_precision_stays_exact():
