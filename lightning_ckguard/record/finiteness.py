@@ -88,6 +88,14 @@ _LARGE_PIECE_DTYPES = (torch.float32,)
 
 _signature = attrgetter("dtype", "layout", "device", "shape")
 
+
+def _layout_key(grad: Tensor) -> tuple[object, ...]:
+    """What a reading plan depends on: the signature, and for a sparse gradient whether it holds any value (a plan
+    made while it held none would not read it)."""
+    if grad.layout == torch.strided:
+        return _signature(grad)
+    return (*_signature(grad), grad._nnz() > 0)
+
 #: Large fp32 tensors on CPU are read by the "probe" or by "aminmax"; chosen by measuring both (see below).
 CPU_READERS = ("probe", "aminmax")
 #: Below this many elements in a step's large tensors, the two readers are too close to time reliably: the probe.
@@ -403,7 +411,7 @@ class NonFiniteCheck:
         (piece by piece) and the contiguous fp32 and fp64 ones read by ``aminmax``; None when there were none. The
         others' squares are the caller's to read."""
         ieee = _fp32_matmul_is_ieee()
-        key = (ieee, *map(_signature, grads))
+        key = (ieee, *map(_layout_key, grads))
         values = list(grads)
         plan = self._plans.get(key)
         if plan is None:
@@ -460,14 +468,17 @@ class NonFiniteCheck:
         for i, value in enumerate(values):
             if value.numel() > 0:
                 members.setdefault((value.device, value.dtype), []).append(i)
-        groups = [self._plan_group(device, dtype, positions, values, ieee)
+        groups = [self._plan_group(device, dtype, positions, values, ieee, set(converted))
                   for (device, dtype), positions in members.items()]
         identity = len(groups) == 1 and groups[0].positions == list(range(len(values)))
         return _Plan(groups, converted, identity)
 
     def _plan_group(
-        self, device: torch.device, dtype: torch.dtype, positions: list[int], values: list[Tensor], ieee: bool
+        self, device: torch.device, dtype: torch.dtype, positions: list[int], values: list[Tensor], ieee: bool,
+        converted: set[int],
     ) -> _Group:
+        """``converted``: positions of sparse or complex gradients; a sparse one's values change size from step to
+        step, so they are read whole by ``aminmax``, which takes any size."""
         if device.type != "cpu":
             return _Group(device, positions, norms=positions)
         group = _Group(device)
@@ -477,7 +488,9 @@ class NonFiniteCheck:
         extremes: list[int] = []
         for i in positions:
             numel = values[i].numel()
-            if probe and numel <= SMALL_NUMEL:
+            if i in converted:
+                extremes.append(i)
+            elif probe and numel <= SMALL_NUMEL:
                 by_shape.setdefault(tuple(values[i].shape), []).append(i)
             elif numel > LARGE_NUMEL and dtype in _LARGE_PIECE_DTYPES and _flat_order(values[i]) is not None:
                 large.append(i)

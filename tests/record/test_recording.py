@@ -12,6 +12,7 @@ from helpers import HOST_READS, QUIET, CountOps, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint, GradientGuard
 from lightning_ckguard.record import finiteness
 from lightning_ckguard.record.finiteness import NonFiniteCheck
+from lightning_ckguard.record.squares import FlagsAndSquares
 
 
 def _model() -> torch.nn.Module:
@@ -227,6 +228,35 @@ def test_the_squares_of_a_large_gradient_are_read_piece_by_piece_right_after_its
     with _PieceReads(grad) as mode:
         check([grad], torch.device("cpu"))
     assert not [r for r in mode.reads if r[0] == "dot" and r[2] > 5]
+
+
+def _sparse(values: list[float] | torch.Tensor, size: int) -> torch.Tensor:
+    values = torch.as_tensor(values, dtype=torch.float32)
+    return torch.sparse_coo_tensor(torch.arange(len(values)).view(1, -1), values, (size,)).coalesce()
+
+
+@pytest.mark.parametrize("nonzeros", [(0, 3), (5, 7), (70_000, 80_000), (80_000, 70_000)],
+                         ids=["empty-first", "small", "large-growing", "large-shrinking"])
+def test_sparse_gradients_whose_values_change_size_stay_exact(nonzeros):
+    # a sparse gradient's values change size from step to step, and a plan made at the first step must still read
+    # every value of the next: four of them, so that small ones of one size would be batched if they were planned so
+    cpu, size = torch.device("cpu"), 100_000
+    check, reader = NonFiniteCheck(), FlagsAndSquares()
+    torch.manual_seed(0)
+    first, second = ([_sparse(torch.randn(n), size) for _ in range(4)] for n in nonzeros)
+    for grads in (first, second):
+        dense = [torch.ones(3), *grads]
+        assert not check(dense, cpu).any()
+        _, total = reader(dense, cpu)
+        assert float(total) == pytest.approx(3 + sum(float(g.values().double().square().sum()) for g in grads),
+                                             rel=1e-5)
+    for value in (float("nan"), float("inf")):
+        planted = list(second)
+        values = second[2].values().clone()
+        values[-1] = value
+        planted[2] = _sparse(values, size)
+        assert check([torch.ones(3), *planted], cpu).tolist() == [False, False, False, True, False]
+        assert reader([torch.ones(3), *planted], cpu)[0].tolist() == [False, False, False, True, False]
 
 
 def test_reduced_fp32_matmul_precision_stays_exact():
