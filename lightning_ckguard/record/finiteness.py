@@ -101,6 +101,9 @@ CPU_READERS = ("probe", "aminmax")
 #: Below this many elements in a step's large tensors, the two readers are too close to time reliably: the probe.
 CALIBRATION_MIN_NUMEL = 1 << 20
 _measured: dict[int, str] = {}  # torch.get_num_threads() -> the reader the latest measurement chose
+# (threads, each large tensor's shape and strides) -> the reader measured for it: every reader of one layout in a
+# process (a guard with and one without a spike gate, the state check) reads it the same way, measured once
+_measured_layouts: dict[tuple[object, ...], str] = {}
 
 
 def cpu_large_tensor_reader() -> str | None:
@@ -275,15 +278,14 @@ class _LargePieces:
         self.output_owners = torch.tensor(output_owners, dtype=torch.int64)
         self.dot_owners = torch.tensor(dot_owners, dtype=torch.int64)
         self.probes = torch.zeros(len(members), dtype=torch.float32)
-        self.squares = torch.zeros(len(members), dtype=torch.float64)
 
-    def squares_taken(self) -> tuple[list[int], Tensor]:
-        """After a read with squares: the members and their sums of squares in float64."""
-        return self.members, self.squares
+    def squares_taken(self) -> _SquaresPart:
+        """After a read with squares: each piece's sum of squares, and the member each belongs to."""
+        return _SquaresPart(self.members, self.dots, self.dot_owners)
 
     def read(self, values: list[Tensor], squares: bool = False) -> Tensor:
-        """Per member: a probe, finite exactly where the tensor is. With ``squares``, :attr:`squares` holds each
-        member's sum of squares afterwards (fp32 per piece, float64 across them)."""
+        """Per member: a probe, finite exactly where the tensor is. With ``squares``, :attr:`dots` holds each piece's
+        sum of squares afterwards (in fp32)."""
         for i, order, readers, dot_outputs in zip(self.members, self.orders, self.readers, self.dot_outputs,
                                                   strict=True):
             flat = (values[i].permute(order) if order else values[i]).view(-1)
@@ -291,8 +293,6 @@ class _LargePieces:
                 read(piece)
                 if squares:
                     torch.dot(piece, piece, out=dot_output)  # the piece just read, still in this core's cache
-        if squares:
-            self.squares.zero_().index_add_(0, self.dot_owners, self.dots.to(torch.float64))
         if self.scaled:
             self.outputs.mul_(self.scale)
         return self.probes.zero_().index_add_(0, self.output_owners, self.outputs)
@@ -337,13 +337,13 @@ class _Extremes:
         for i, low, high, dot_output in zip(self.members, self.mins, self.maxs, self.dot_outputs, strict=True):
             torch.aminmax(values[i], out=(low, high))
             if squares and dot_output is not None:
-                flat = values[i].view(-1)
+                flat = values[i] if values[i].dim() == 1 else values[i].view(-1)
                 torch.dot(flat, flat, out=dot_output)  # the tensor just read, still in cache
         return _non_finite(self.buffer).any(dim=0)
 
-    def squares_taken(self) -> tuple[list[int], Tensor] | None:
-        """After a read with squares: the members with a dot and their sums of squares in float64."""
-        return (self.squared, self.dots.to(torch.float64)) if self.dots is not None and self.squared else None
+    def squares_taken(self) -> _SquaresPart | None:
+        """After a read with squares: the members with a dot and their sums of squares."""
+        return _SquaresPart(self.squared, self.dots, None) if self.dots is not None and self.squared else None
 
 
 @dataclass
@@ -367,22 +367,45 @@ class _Plan:
 
 
 @dataclass(frozen=True)
-class TakenSquares:
-    """The sums of squares :meth:`NonFiniteCheck.read` took along: ``squares[j]`` (float64, on the CPU) is that of the
-    gradient at position ``positions[j]``. Valid until the next read."""
+class _SquaresPart:
+    """Sums of squares one reader took along, in the gradients' own precision: ``dots[k]`` belongs to the gradient at
+    ``positions[owners[k]]`` (several pieces to one gradient), or with ``owners`` None to ``positions[k]``."""
 
     positions: list[int]
-    squares: Tensor
+    dots: Tensor
+    owners: Tensor | None
+
+
+@dataclass(frozen=True)
+class TakenSquares:
+    """The sums of squares :meth:`NonFiniteCheck.read` took along, of the gradients at :attr:`positions`. Valid until
+    the next read."""
+
+    parts: list[_SquaresPart]
+
+    @property
+    def positions(self) -> list[int]:
+        return [i for part in self.parts for i in part.positions]
+
+    def total(self) -> Tensor:
+        """Their sum, a 0-d float64 tensor on the CPU (each part summed in float64: one kernel a part)."""
+        total = self.parts[0].dots.sum(dtype=torch.float64)
+        for part in self.parts[1:]:
+            total = total + part.dots.sum(dtype=torch.float64)
+        return total
+
+    def each(self) -> Tensor:
+        """Per gradient, in the order of :attr:`positions`: its sum of squares in float64 (a piece's in fp32)."""
+        each = [part.dots.to(torch.float64) if part.owners is None else torch.zeros(
+            len(part.positions), dtype=torch.float64).index_add_(0, part.owners, part.dots.to(torch.float64))
+            for part in self.parts]
+        return each[0] if len(each) == 1 else torch.cat(each)
 
 
 def _squares_taken(groups: list[_Group]) -> TakenSquares | None:
     parts = [part for g in groups for reader in (g.large, g.extremes) if reader is not None
              for part in [reader.squares_taken()] if part is not None]
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return TakenSquares(*parts[0])
-    return TakenSquares([i for positions, _ in parts for i in positions], torch.cat([sq for _, sq in parts]))
+    return TakenSquares(parts) if parts else None
 
 
 class NonFiniteCheck:
@@ -516,10 +539,13 @@ class NonFiniteCheck:
         gradients (measured once per layout). Without exact fp32 matrix products, ``aminmax``."""
         scale = self._scale(torch.device("cpu"), torch.float32, PROBE_WIDTH)
         reader = _forced_reader() if ieee else "aminmax"
+        layout = (torch.get_num_threads(), *((values[i].shape, values[i].stride()) for i in members))
+        reader = reader or _measured_layouts.get(layout)  # another reader of this layout measured it already
         if reader is None:
             readers = {name: _LargePieces(members, values, name, scale) for name in CPU_READERS}
-            reader = _calibrate(partial(readers["probe"].read, values), partial(readers["aminmax"].read, values),
-                                sum(values[i].numel() for i in members))
+            reader = _measured_layouts[layout] = _calibrate(
+                partial(readers["probe"].read, values), partial(readers["aminmax"].read, values),
+                sum(values[i].numel() for i in members))
             return readers[reader]
         return _LargePieces(members, values, reader, scale)
 

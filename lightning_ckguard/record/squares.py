@@ -85,15 +85,15 @@ class FlagsAndSquares:
     def _taken_and_the_rest(self, taken: TakenSquares, values: Sequence[Tensor], out_device: torch.device,
                             weights: Sequence[float] | None) -> Tensor:
         """The sum of the squares the flags' read took along and of the rest's, read here in a pass of their own."""
-        taken_weights = None if weights is None else [weights[i] for i in taken.positions]
-        squares = (taken.squares.sum() if taken_weights is None
-                   else _summed(list(taken.squares.unbind()), taken_weights, taken.squares.device))
-        key = (len(values), *taken.positions)
+        positions = taken.positions
+        squares = (taken.total() if weights is None
+                   else _summed(list(taken.each().unbind()), [weights[i] for i in positions], torch.device("cpu")))
+        key = (len(values), *positions)
         rest = self._rest.get(key)
         if rest is None:
             if len(self._rest) >= NonFiniteCheck.MAX_PLANS:
                 self._rest.clear()
-            rest = self._rest[key] = sorted(set(range(len(values))) - set(taken.positions))
+            rest = self._rest[key] = sorted(set(range(len(values))) - set(positions))
         if not rest:
             return squares.to(out_device, non_blocking=True)
         rest_weights = None if weights is None else [weights[i] for i in rest]

@@ -179,7 +179,8 @@ def test_large_tensors_read_in_pieces_are_exact_and_give_their_squares(position,
     # the two large ones in pieces, the small one (read by aminmax) whole
     assert not flags.any() and taken is not None and sorted(taken.positions) == [0, 1, 2]
     expected = [float(grads[i].double().square().sum()) for i in taken.positions]
-    assert taken.squares.tolist() == pytest.approx(expected, rel=1e-5)
+    assert taken.each().tolist() == pytest.approx(expected, rel=1e-5)
+    assert float(taken.total()) == pytest.approx(sum(expected), rel=1e-5)
     for value in (float("nan"), float("inf"), float("-inf")):
         for bad in (0, 2):
             planted = list(grads)
@@ -188,7 +189,7 @@ def test_large_tensors_read_in_pieces_are_exact_and_give_their_squares(position,
             planted[bad] = contiguous if bad == 0 else contiguous.t()
             flags, taken = NonFiniteCheck().read(planted, cpu, squares=True)
             assert flags.tolist() == [bad == 0, False, bad == 2], (value, bad)
-            assert not taken.squares[taken.positions.index(bad)].isfinite()
+            assert not taken.each()[taken.positions.index(bad)].isfinite()
 
 
 class _PieceReads(TorchDispatchMode):
@@ -274,6 +275,7 @@ def test_reduced_fp32_matmul_precision_stays_exact():
 def test_the_large_tensor_reader_is_measured_once_per_layout_and_kept(monkeypatch):
     monkeypatch.delenv("CKGUARD_CPU_READER", raising=False)
     monkeypatch.setattr(finiteness, "_measured", {})
+    monkeypatch.setattr(finiteness, "_measured_layouts", {})
     grads = [torch.randn(1024, 1024), torch.randn(1024, 512)]
     grads[1][7, 7] = float("nan")
     check = NonFiniteCheck()
@@ -285,6 +287,15 @@ def test_the_large_tensor_reader_is_measured_once_per_layout_and_kept(monkeypatc
     grads[1][7, 7] = 0.0
     assert check(grads, torch.device("cpu")).tolist() == [False, False]
     assert finiteness.cpu_large_tensor_reader() is None  # the cached plan kept its reader: nothing was measured again
+    # another reader of the same layout (a second guard, the state check) takes the same reader, unmeasured
+    planned = {}
+    for reader in (NonFiniteCheck(), FlagsAndSquares()):
+        reader(grads, torch.device("cpu"))
+        checker = reader if isinstance(reader, NonFiniteCheck) else reader._check
+        (plan,) = checker._plans.values()
+        planned[type(reader).__name__] = plan.groups[0].large.scaled  # True: read by aminmax
+    assert finiteness.cpu_large_tensor_reader() is None
+    assert set(planned.values()) == {chosen == "aminmax"}
 
 
 def test_an_unknown_forced_reader_is_a_clear_error(monkeypatch):
