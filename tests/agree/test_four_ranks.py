@@ -1,5 +1,6 @@
 """The rank-faulty scenarios past two ranks: four real gloo processes, NaN on rank 1 only; and, in the same launch,
-the spike gate's global gradient norm under HSDP (FSDP2 with 2 replicas of 2 shards)."""
+the spike gate's global gradient norm under HSDP (FSDP2 with 2 replicas of 2 shards) and under tensor parallelism
+(2 tensor-parallel ranks in each of 2 FSDP2 shards)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 
 from conftest import OUT, WorkerResults
 
-SCENARIOS = ["ddp-periodic-reject", "zero1-val_topk-reject", "ddp-periodic-finite", "hsdp-spike-gate-norm"]
+SCENARIOS = ["ddp-periodic-reject", "zero1-val_topk-reject", "ddp-periodic-finite", "hsdp-spike-gate-norm",
+             "tp-spike-gate-norm"]
 
 
 # the module fixture launches with a 600 s wall-clock kill: let that, not pytest-timeout, stop a hang
@@ -42,3 +44,14 @@ def test_the_spike_gates_norm_under_hsdp_counts_each_replicated_shard_once(ranks
         measured = [step["grad_norm"] for step in run["measured"]]
         assert measured == pytest.approx(run["full"], rel=1e-5), f"rank {rank}"
         assert run["measured"] == ranks[0]["hsdp-spike-gate-norm"]["measured"]  # the same global values everywhere
+
+
+def test_the_spike_gates_norm_under_tensor_parallelism_counts_a_bias_replicated_over_tp_ranks_once(ranks):
+    run = ranks[0]["tp-spike-gate-norm"]
+    # the row-wise layer's bias is sharded over dp and replicated over tp: held by both tp ranks of a dp rank
+    assert run["placements"]["2.bias"] == ["shard", "replicate"], run["placements"]
+    for rank, results in enumerate(ranks):
+        run = results["tp-spike-gate-norm"]
+        measured = [step["grad_norm"] for step in run["measured"]]
+        assert measured == pytest.approx(run["full"], rel=1e-5), f"rank {rank}"
+        assert run["measured"] == ranks[0]["tp-spike-gate-norm"]["measured"]

@@ -1,7 +1,8 @@
 """Two-rank CPU/gloo scenarios, run by ``tests/lightning/test_ddp.py`` as ``python ddp_worker.py OUT_DIR``; also
 used by ``tests/agree/test_four_ranks.py`` and ``tests/agree/test_eight_ranks.py``, which run some of them on 4 and
 8 ranks (``python ddp_worker.py OUT_DIR SCENARIO ...`` with ``CKGUARD_TEST_DEVICES=4`` or ``8``); one scenario is only
-for 4 ranks (``hsdp-spike-gate-norm``: 2 replicas of 2 shards).
+for 4 ranks (``hsdp-spike-gate-norm``: 2 replicas of 2 shards; ``tp-spike-gate-norm``: 2 data-parallel shards of 2
+tensor-parallel ranks).
 
 Lightning's subprocess script launcher starts rank 1 by re-running this script. Every rank runs every scenario
 in order, in one process group, and writes what it observed to ``OUT_DIR/rank{N}.json``. A scenario that hangs
@@ -169,6 +170,43 @@ def hsdp_spike_gate_norm(root: str) -> dict[str, Any]:
     return {"measured": measured, "full": full}
 
 
+def tp_spike_gate_norm(root: str) -> dict[str, Any]:
+    """The core on 4 ranks, no Trainer: tensor parallelism on a 2 x 2 mesh (column- then row-wise linear layers on
+    the ``tp`` dimension; the row-wise layer's bias replicated there), then FSDP2 over the ``dp`` dimension (every dp
+    rank its own batch, the tp ranks of one dp rank the same). Per step: the gate's global gradient norm, and
+    ``clip_grad_norm_`` of the full gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_ckguard import GradientGuard, SpikeGate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = GradientGuard(model, spike_gate=SpikeGate(warmup_steps=1, history=10))
+    dp_rank, measured, full, replicas = mesh["dp"].get_local_rank(), [], [], {}
+    for step in range(3):
+        generator = torch.Generator().manual_seed(100 * dp_rank + step)
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.record(optimizer, step=step, loss=loss.detach())
+        full.append(unsharded_gradient_norm(model.parameters()))
+        verdict = guard.agree(torch.distributed.group.WORLD, global_step=step + 1)
+        measured.append({level.measure: level.window_max for level in verdict.spike_check.levels})
+        guard.reset()
+        optimizer.step()
+    for name, param in model.named_parameters():
+        replicas[name] = ["replicate" if placement.is_replicate() else "shard" if placement.is_shard() else
+                          str(placement) for placement in param.placements]
+    return {"measured": measured, "full": full, "placements": replicas}
+
+
 def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
     table: dict[str, Callable[[str], dict[str, Any]]] = {}
     for zero1 in (False, True):
@@ -203,6 +241,7 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
     table["process-group-guard"] = guard_without_trainer
     if DEVICES == 4:
         table["hsdp-spike-gate-norm"] = hsdp_spike_gate_norm
+        table["tp-spike-gate-norm"] = tp_spike_gate_norm
     return table
 
 
