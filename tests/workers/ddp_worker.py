@@ -139,25 +139,18 @@ def guard_without_trainer(root: str) -> dict[str, Any]:
     return {"error": verdict.to_error().fields() if not verdict.accepted else None}
 
 
-def hsdp_spike_gate_norm(root: str) -> dict[str, Any]:
-    """The core on 4 ranks, no Trainer: FSDP2 with HSDP (``fully_shard`` on a 2 x 2 mesh: 2 replicas of 2 shards,
-    every rank its own batch), a ``GradientGuard`` with a spike gate, one agreement per step. Per step: the gate's
-    global gradient norm, and ``clip_grad_norm_`` of the full gradients (``full_tensor()``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+def _gate_norms(model: torch.nn.Module, batch_seed: int, outputs: int) -> dict[str, Any]:
+    """Three steps of ``model`` (already sharded) under a ``GradientGuard`` with a spike gate, one agreement per step,
+    batches drawn from ``batch_seed``. Per step: the gate's global gradient norm, and ``clip_grad_norm_`` of the full
+    gradients (``full_tensor()``)."""
     from lightning_ckguard import GradientGuard, SpikeGate
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     guard = GradientGuard(model, spike_gate=SpikeGate(warmup_steps=1, history=10))
-    rank, measured, full = torch.distributed.get_rank(), [], []
+    measured, full = [], []
     for step in range(3):
-        generator = torch.Generator().manual_seed(100 * rank + step)
-        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+        generator = torch.Generator().manual_seed(100 * batch_seed + step)
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, outputs, generator=generator)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -170,41 +163,38 @@ def hsdp_spike_gate_norm(root: str) -> dict[str, Any]:
     return {"measured": measured, "full": full}
 
 
+def hsdp_spike_gate_norm(root: str) -> dict[str, Any]:
+    """The core on 4 ranks, no Trainer: FSDP2 with HSDP (``fully_shard`` on a 2 x 2 mesh: 2 replicas of 2 shards,
+    every rank its own batch); the gate's norm against the full gradients' (:func:`_gate_norms`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    fully_shard(model, mesh=mesh)
+    return _gate_norms(model, torch.distributed.get_rank(), outputs=1)
+
+
 def tp_spike_gate_norm(root: str) -> dict[str, Any]:
     """The core on 4 ranks, no Trainer: tensor parallelism on a 2 x 2 mesh (column- then row-wise linear layers on
     the ``tp`` dimension; the row-wise layer's bias replicated there), then FSDP2 over the ``dp`` dimension (every dp
-    rank its own batch, the tp ranks of one dp rank the same). Per step: the gate's global gradient norm, and
-    ``clip_grad_norm_`` of the full gradients."""
+    rank its own batch, the tp ranks of one dp rank the same); the gate's norm against the full gradients'
+    (:func:`_gate_norms`), and each parameter's placements."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from lightning_ckguard import GradientGuard, SpikeGate
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    guard = GradientGuard(model, spike_gate=SpikeGate(warmup_steps=1, history=10))
-    dp_rank, measured, full, replicas = mesh["dp"].get_local_rank(), [], [], {}
-    for step in range(3):
-        generator = torch.Generator().manual_seed(100 * dp_rank + step)
-        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        guard.record(optimizer, step=step, loss=loss.detach())
-        full.append(unsharded_gradient_norm(model.parameters()))
-        verdict = guard.agree(torch.distributed.group.WORLD, global_step=step + 1)
-        measured.append({level.measure: level.window_max for level in verdict.spike_check.levels})
-        guard.reset()
-        optimizer.step()
-    for name, param in model.named_parameters():
-        replicas[name] = ["replicate" if placement.is_replicate() else "shard" if placement.is_shard() else
-                          str(placement) for placement in param.placements]
-    return {"measured": measured, "full": full, "placements": replicas}
+    results = _gate_norms(model, mesh["dp"].get_local_rank(), outputs=4)
+    results["placements"] = {
+        name: ["replicate" if placement.is_replicate() else "shard" if placement.is_shard() else str(placement)
+               for placement in param.placements] for name, param in model.named_parameters()}
+    return results
 
 
 def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
