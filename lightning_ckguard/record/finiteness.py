@@ -324,8 +324,8 @@ class _Extremes:
             return
         self.squared = [i for i in self.members if values[i].is_contiguous()]
         self.dots = torch.empty(len(self.squared), dtype=self.buffer.dtype, device=self.buffer.device)
-        outputs = iter(self.dots.unbind())
-        self.dot_outputs = [next(outputs) if values[i].is_contiguous() else None for i in self.members]
+        outputs = dict(zip(self.squared, self.dots.unbind(), strict=True))
+        self.dot_outputs = [outputs.get(i) for i in self.members]
 
     @classmethod
     def over(cls, members: list[int], dtype: torch.dtype, device: torch.device) -> _Extremes:
@@ -365,6 +365,7 @@ class _Plan:
     groups: list[_Group]
     converted: list[int]  # positions of sparse or complex gradients
     identity: bool  # one group whose entry order is the input order, nothing empty
+    taken: TakenSquares | None  # the squares its reads take along when asked
 
 
 @dataclass(frozen=True)
@@ -379,14 +380,13 @@ class _SquaresPart:
 
 @dataclass(frozen=True)
 class TakenSquares:
-    """The sums of squares :meth:`NonFiniteCheck.read` took along, of the gradients at :attr:`positions`. Valid until
-    the next read."""
+    """The sums of squares :meth:`NonFiniteCheck.read` takes along, of the gradients at :attr:`positions`; the
+    gradients at :attr:`rest` are the caller's to read. Made once per reading plan, over its buffers: the values are
+    those of the latest read."""
 
     parts: list[_SquaresPart]
-
-    @property
-    def positions(self) -> list[int]:
-        return [i for part in self.parts for i in part.positions]
+    positions: list[int]
+    rest: list[int]
 
     def total(self) -> Tensor:
         """Their sum, a 0-d float64 tensor on the CPU (each part summed in float64: one kernel a part)."""
@@ -403,10 +403,14 @@ class TakenSquares:
         return each[0] if len(each) == 1 else torch.cat(each)
 
 
-def _squares_taken(groups: list[_Group]) -> TakenSquares | None:
+def _squares_taken(groups: list[_Group], count: int) -> TakenSquares | None:
+    """What a plan's reads take along, of ``count`` gradients: None when they take no squares."""
     parts = [part for g in groups for reader in (g.large, g.extremes) if reader is not None
              for part in [reader.squares_taken()] if part is not None]
-    return TakenSquares(parts) if parts else None
+    if not parts:
+        return None
+    positions = [i for part in parts for i in part.positions]
+    return TakenSquares(parts, positions, sorted(set(range(count)) - set(positions)))
 
 
 class NonFiniteCheck:
@@ -448,7 +452,7 @@ class NonFiniteCheck:
         with torch.no_grad():
             try:
                 parts = [self._read(group, values, squares) for group in plan.groups]
-                taken = _squares_taken(plan.groups) if squares else None
+                taken = plan.taken if squares else None
             except RuntimeError:
                 # a gradient whose strides changed since the plan was made (no longer viewable as planned):
                 # read everything with the plan-free exact reduction
@@ -495,7 +499,7 @@ class NonFiniteCheck:
         groups = [self._plan_group(device, dtype, positions, values, ieee, set(converted))
                   for (device, dtype), positions in members.items()]
         identity = len(groups) == 1 and groups[0].positions == list(range(len(values)))
-        return _Plan(groups, converted, identity)
+        return _Plan(groups, converted, identity, _squares_taken(groups, len(values)))
 
     def _plan_group(
         self, device: torch.device, dtype: torch.dtype, positions: list[int], values: list[Tensor], ieee: bool,
@@ -543,6 +547,8 @@ class NonFiniteCheck:
         layout = (torch.get_num_threads(), *((values[i].shape, values[i].stride()) for i in members))
         reader = reader or _measured_layouts.get(layout)  # another reader of this layout measured it already
         if reader is None:
+            if len(_measured_layouts) >= self.MAX_PLANS:  # bounded, like the plans (layouts can vary: MoE experts)
+                _measured_layouts.clear()
             readers = {name: _LargePieces(members, values, name, scale) for name in CPU_READERS}
             reader = _measured_layouts[layout] = _calibrate(
                 partial(readers["probe"].read, values), partial(readers["aminmax"].read, values),

@@ -60,7 +60,6 @@ class FlagsAndSquares:
 
     def __init__(self, check: NonFiniteCheck | None = None) -> None:
         self._check = check if check is not None else NonFiniteCheck()
-        self._rest: dict[tuple[int, ...], list[int]] = {}  # per layout: the gradients whose squares are read apart
 
     def __call__(self, grads: Sequence[Tensor], out_device: torch.device,
                  replicas: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
@@ -85,20 +84,13 @@ class FlagsAndSquares:
     def _taken_and_the_rest(self, taken: TakenSquares, values: Sequence[Tensor], out_device: torch.device,
                             weights: Sequence[float] | None) -> Tensor:
         """The sum of the squares the flags' read took along and of the rest's, read here in a pass of their own."""
-        positions = taken.positions
-        squares = (taken.total() if weights is None
-                   else _summed(list(taken.each().unbind()), [weights[i] for i in positions], torch.device("cpu")))
-        key = (len(values), *positions)
-        rest = self._rest.get(key)
-        if rest is None:
-            if len(self._rest) >= NonFiniteCheck.MAX_PLANS:
-                self._rest.clear()
-            rest = self._rest[key] = sorted(set(range(len(values))) - set(positions))
-        if not rest:
+        squares = (taken.total() if weights is None else _summed(
+            list(taken.each().unbind()), [weights[i] for i in taken.positions], torch.device("cpu")))
+        if not taken.rest:
             return squares.to(out_device, non_blocking=True)
-        rest_weights = None if weights is None else [weights[i] for i in rest]
+        rest_weights = None if weights is None else [weights[i] for i in taken.rest]
         return squares.to(out_device, non_blocking=True) + _squares_in_own_precision(
-            [values[i] for i in rest], out_device, rest_weights)
+            [values[i] for i in taken.rest], out_device, rest_weights)
 
 
 class FlagsWithoutSquares:
