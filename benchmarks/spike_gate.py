@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CountOps, interleaved, machine, median, ms, ratio_rows, table  # noqa: E402
 
 from lightning_ckguard import GradientGuard  # noqa: E402
-from lightning_ckguard.agree.spikes import SpikeGate, global_values  # noqa: E402
+from lightning_ckguard.agree.spikes import SpikeGate, global_values, scores  # noqa: E402
 from lightning_ckguard.record.finiteness import NonFiniteCheck  # noqa: E402
 from lightning_ckguard.record.squares import FlagsAndSquares, _squares_in_own_precision  # noqa: E402
 from lightning_ckguard.record.step_values import StepValues  # noqa: E402
@@ -200,7 +200,7 @@ class Watch:
     def __init__(self, model: nn.Module, gate: SpikeGate, every: int) -> None:
         self.guard = GradientGuard(model, spike_gate=gate)
         self.gate, self.every = gate, every
-        self.margins = {m: Margin() for m in gate.on}
+        self.margins = {m: Margin() for m in gate.measures}
         self.rejected_windows: list[tuple[int, list[str]]] = []
 
     def record(self, optimizer: torch.optim.Optimizer, step: int, loss: Tensor) -> None:
@@ -209,11 +209,11 @@ class Watch:
     def boundary(self, step: int, label: str) -> None:
         guard = self.guard
         history = guard._spike_history
-        baselines = {m: history.baseline(m) for m in self.gate.on}  # what judge uses: history changes only at reset
+        baselines = {m: history.baseline(m) for m in self.gate.measures}  # judge's: it changes only at reset
         values = guard.window.step_values
         verdict = guard.agree(None, global_step=step)
         measures = global_values(values.summary().tolist(), values.capacity, values.labels, 1)
-        for m in self.gate.on:
+        for m in self.gate.measures:
             margin = self.margins[m]
             margin.boundaries += 1
             if baselines[m] is None:
@@ -222,8 +222,7 @@ class Watch:
             for value, (first, _last) in zip(measures.values[m], measures.labels, strict=True):
                 if value is None:
                     continue
-                ratio = value / median_ if median_ > 0 else math.inf
-                dev = (value - median_) / spread if spread > 0 else (math.inf if value > median_ else 0.0)
+                ratio, dev = scores(value, median_, spread)
                 joint = min(ratio / self.gate.factor, dev / self.gate.deviations)
                 margin.judged += 1
                 margin.ratio = max(margin.ratio, ratio)
@@ -236,7 +235,7 @@ class Watch:
         if verdict.accepted:
             guard.reset()
         else:
-            for m in self.gate.on:
+            for m in self.gate.measures:
                 self.margins[m].rejections += 1
             self.rejected_windows.append((step, spikes))
             guard.reset()  # the window is dropped, not learned (a rewind would train past it)

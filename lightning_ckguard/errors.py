@@ -31,7 +31,8 @@ class Spike:
             several consecutive steps, ``first_step`` to ``last_step``.
         value: The measure at that step, over every rank (the mean loss, the norm of all gradients).
         baseline: The median of the measure over the accepted steps before the window.
-        ratio: ``value / baseline``.
+        ratio: ``value / baseline`` for a positive baseline; else ``1 + (value - baseline) / |baseline|`` (the
+            rise in units of the baseline's size).
         deviations: ``(value - baseline)`` in robust standard deviations (1.4826 times the median absolute
             deviation of the same history).
     """
@@ -48,8 +49,10 @@ class Spike:
         """One clause for a person, e.g. ``the loss spiked at step 12 to 1.2e+06, 1.5e+06x its baseline of 0.81``."""
         steps = f"step {self.first_step}" if self.first_step == self.last_step else (
             f"steps {self.first_step} to {self.last_step}")
+        # "times" only means something above a positive baseline; below one, the rise itself
+        rise = f"{self.ratio:.3g}x" if self.baseline > 0 else f"{self.value - self.baseline:.4g} above"
         return (f"{_MEASURE_WORDS.get(self.measure, self.measure)} spiked at {steps} to {self.value:.4g}, "
-                f"{self.ratio:.3g}x its baseline of {self.baseline:.4g} ({self.deviations:.3g} deviations)")
+                f"{rise} its baseline of {self.baseline:.4g} ({self.deviations:.3g} deviations)")
 
 
 def describe_spikes(spikes: Sequence[Spike | Mapping[str, Any]]) -> str:

@@ -107,12 +107,13 @@ class GradientGuard:
         when a loss scaler will skip this step (see :func:`~lightning_ckguard.record.skips.scaler_skip_flag`). Sources
         that only learn after the step whether it was skipped (DeepSpeed) hold the step until :meth:`conclude_step`.
         ``loss``: the step's loss (a device tensor, read on the device), for a spike gate watching the loss; with
-        gradient accumulation, give the earlier micro-batches' losses to :meth:`record_loss` first.
+        gradient accumulation, give the earlier micro-batches' losses to :meth:`record_loss` first (or every
+        micro-batch's there, and none here).
         """
+        if loss is not None:
+            self.record_loss(loss)
         gradients = self.source.local_gradients(optimizer)
         if gradients is None:  # not an optimizer step (e.g. a DeepSpeed micro-batch inside accumulation)
-            if loss is not None:
-                self.record_loss(loss)
             return
         indices, grads = gradients
         label = self._steps_seen if step is None else step
@@ -123,8 +124,6 @@ class GradientGuard:
         else:
             self.window.record(indices, grads, label, num_parameters, skipped, layout)
         self._steps_seen += 1
-        if loss is not None:
-            self.record_loss(loss)
 
     def _how_squares_add_up(self) -> SquaresLayout:
         """For a spike gate that watches the gradient norm: whether the gradients just read are this rank's shard, how
@@ -139,11 +138,10 @@ class GradientGuard:
 
     def record_loss(self, loss: Tensor | float) -> None:
         """Add a loss to the step under way, for a spike gate watching the loss (nothing without one): device-side,
-        no host read. Losses given before a step is recorded (earlier micro-batches) and until the next one is
-        recorded add up to that step's; a Lightning callback gives ``training_step``'s at each batch end."""
+        no host read. The losses given since the last :meth:`record` add up to the next one's (every micro-batch's
+        of an accumulated step); a Lightning callback gives each backward's."""
         if self.window.step_values is not None:
             self.window.step_values.add_loss(loss)
-            self.window.step_values.close_step()
 
     def conclude_step(self) -> None:
         """After the optimizer step: settle a step whose skip outcome the source only knows now (DeepSpeed)."""
@@ -207,7 +205,7 @@ class GradientGuard:
         if values is None or history is None or self.spike_gate is None:
             return SpikeCheck()
         summed = all_reduce_values(collective, values.summary().clone(), op="sum").tolist()
-        measures = global_values(summed, values.capacity, values.labels, world_size)
+        measures = global_values(summed, values.capacity, values.labels, world_size, values.steps_in_slots)
         self._accepted_window = measures  # until the verdict says otherwise
         return judge(self.spike_gate, history, measures)
 

@@ -14,7 +14,11 @@ teach the gate that spikes are normal; and neither drifts within a window, since
 
 **A step spikes** when its value is both more than ``factor`` times the baseline and more than ``deviations``
 spreads above it: the factor alone would fire on a small loss's ordinary noise (0.01 to 0.05), the deviations alone
-on a very steady measure (a spread near zero). Until ``warmup_steps`` accepted values are learned, nothing spikes.
+on a very steady measure (a spread near zero). A baseline of 0 or below (a negative log-likelihood) has no "times":
+there the factor asks the value to rise above the baseline by more than ``factor - 1`` times the baseline's size, which
+for a positive baseline is the same rule (:func:`scores`). A measure with neither a size nor a spread (exactly 0 for
+most of its history) cannot be judged, and never spikes. Until ``warmup_steps`` accepted values are learned, nothing
+spikes.
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ class SpikeGate:
     Args:
         measures: The measures watched: ``"loss"`` (the mean over the ranks of each optimizer step's loss, what
             ``training_step`` returned, summed over the micro-batches of an accumulated step as Lightning scales
-            them) and ``"grad_norm"`` (the 2-norm of all gradients the step applied, over every rank's shard).
+            them; taken as each backward starts, so with manual optimization what ``manual_backward`` was given)
+            and ``"grad_norm"`` (the 2-norm of all gradients the step applied, over every rank's shard).
         factor: A step spikes when its value is more than ``factor`` times the baseline (the median of the accepted
-            history; a baseline of 0 or below, a negative log-likelihood say, leaves only the deviations to decide)
-            ...
+            history; below 0, a negative log-likelihood say: when it rises above the baseline by more than
+            ``factor - 1`` times the baseline's size) ...
         deviations: ... and more than ``deviations`` robust standard deviations above it (1.4826 times the
             history's median absolute deviation).
         warmup_steps: Accepted steps learned before anything can spike.
@@ -70,7 +75,8 @@ class SpikeGate:
     resolution: int = rows.DEFAULT_CAPACITY
 
     def __post_init__(self) -> None:
-        measures = (self.measures,) if isinstance(self.measures, str) else tuple(self.measures)
+        given = self.measures
+        measures = (given,) if isinstance(given, str) else tuple(given) if isinstance(given, Sequence) else ()
         if not measures or any(m not in MEASURES for m in measures) or len(set(measures)) != len(measures):
             raise ValueError(f"`SpikeGate(measures=...)` takes one or both of {MEASURES}, each once; got "
                              f"{self.measures!r}.")
@@ -78,7 +84,7 @@ class SpikeGate:
         for name, low in (("factor", 1.0), ("deviations", 0.0)):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not number or not math.isfinite(value) or value <= low:
+            if not number or not _finite(value) or value <= low:
                 raise ValueError(f"`SpikeGate({name}=...)` must be a finite number above {low:g}, got {value!r}.")
         for name, least in (("warmup_steps", 0), ("history", 8), ("resolution", 2)):
             value = getattr(self, name)
@@ -91,6 +97,13 @@ class SpikeGate:
             raise ValueError(f"`SpikeGate(resolution=...)` must be a power of two, got {self.resolution!r}.")
 
 
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
 @dataclass(frozen=True)
 class StepMeasures:
     """One window's global values, the same on every rank: per measure, one value per slot (None where a step was
@@ -100,16 +113,19 @@ class StepMeasures:
     labels: tuple[tuple[int, int], ...]
 
 
-def global_values(words: Sequence[float], capacity: int, labels: Sequence[Sequence[int]], world_size: int
-                  ) -> StepMeasures:
+def global_values(words: Sequence[float], capacity: int, labels: Sequence[Sequence[int]], world_size: int,
+                  steps_in_slots: Sequence[int] | None = None) -> StepMeasures:
     """Read the step values summed over every rank (``rows.ROWS * capacity`` words) into global ones: the loss as
     the mean over the ranks that gave one, the gradient norm from the partitions' squares plus the replicated squares
-    once."""
+    once. ``steps_in_slots``: how many steps each slot holds (one each without it). A slot of one step that was not
+    finite on some rank has no values; a slot of several has the values of its other steps, unless none is left."""
     table = [words[row * capacity : (row + 1) * capacity] for row in range(rows.ROWS)]
     loss: list[float | None] = []
     grad_norm: list[float | None] = []
     for slot in range(len(labels)):
-        if table[rows.INVALID][slot] > 0 or not math.isfinite(table[rows.LOSS][slot]):  # a rank's was not finite
+        not_finite, steps = table[rows.INVALID][slot], steps_in_slots[slot] if steps_in_slots is not None else 1
+        if (not_finite > 0 and (steps == 1 or not_finite >= steps * world_size)) or not math.isfinite(
+                table[rows.LOSS][slot]):  # a rank's was not finite
             loss.append(None)
             grad_norm.append(None)
             continue
@@ -186,6 +202,17 @@ def _finite_values(measure: str, values: Any) -> list[float]:
     return [float(v) for v in values]
 
 
+def scores(value: float, median: float, spread: float) -> tuple[float, float]:
+    """How far ``value`` stands above a baseline ``(median, spread)``: ``(ratio, deviations)``, to be compared with
+    the gate's ``factor`` and ``deviations``. ``ratio`` is ``value / median`` for a positive median; for any median,
+    ``1 + (value - median) / |median|`` (the rise in units of the baseline's size), infinite for a rise above a
+    median of 0. ``deviations`` is the rise in spreads, infinite for a rise above a spread of 0."""
+    rise = value - median
+    ratio = value / median if median > 0 else (1 + rise / -median if median < 0 else (math.inf if rise > 0 else 1.0))
+    deviations = rise / spread if spread > 0 else (math.inf if rise > 0 else 0.0)
+    return ratio, deviations
+
+
 def judge(gate: SpikeGate, history: SpikeHistory, measures: StepMeasures) -> SpikeCheck:
     """The spikes of a window and the levels of its measures; pure and deterministic, so every rank reaches the same
     from the same global values and the same accepted history."""
@@ -199,15 +226,16 @@ def judge(gate: SpikeGate, history: SpikeHistory, measures: StepMeasures) -> Spi
         if baseline is None:
             continue
         median, spread = baseline
+        if median == 0 and spread == 0:  # no size and no spread: nothing to judge a rise by
+            continue
         for value, (first, last) in zip(values, measures.labels, strict=True):
             if value is None:
                 continue
-            ratio = value / median if median > 0 else math.inf
-            deviations = (value - median) / spread if spread > 0 else (math.inf if value > median else 0.0)
+            ratio, deviations = scores(value, median, spread)
             if ratio > gate.factor and deviations > gate.deviations:
                 spikes.append(Spike(measure, first, last, value, median, ratio, deviations))
     spikes.sort(key=lambda spike: (spike.first_step, MEASURES.index(spike.measure)))
     return SpikeCheck(tuple(spikes), tuple(levels))
 
 
-__all__ = ["Level", "SpikeCheck", "SpikeGate", "SpikeHistory", "StepMeasures", "global_values", "judge"]
+__all__ = ["Level", "SpikeCheck", "SpikeGate", "SpikeHistory", "StepMeasures", "global_values", "judge", "scores"]

@@ -171,9 +171,13 @@ class GuardedCheckpoint(_CheckpointBase):
             self._fit = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Build the guard for the wrapped module and its optimizers (their identities are final now) and, with
-        ``on_non_finite="rewind"``, this fit's rewind log; a new fit after a rejection starts unsealed."""
+        """The guard (parameter identities are final now), with ``"rewind"`` the rewind log; a new fit is unsealed."""
         self._fit_for(trainer).start_fitting(pl_module)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """With a spike gate, the loss joins its step (device-side), before any boundary can judge the step."""
+        if self._fit is not None:
+            self._fit.record_loss(loss)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
                                  ) -> None:
@@ -186,9 +190,9 @@ class GuardedCheckpoint(_CheckpointBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
     ) -> None:
-        """Close the batch's step (DeepSpeed's skip outcome, its loss), then ``ModelCheckpoint``'s hook, guarded."""
+        """Settle the batch's step (DeepSpeed's skip outcome), then ``ModelCheckpoint``'s hook, guarded."""
         fit = self._fit_for(trainer)
-        fit.end_batch(outputs)  # the optimizer has run: a strategy that skips steps (DeepSpeed) knows now
+        fit.end_batch()  # the optimizer has run: a strategy that skips steps (DeepSpeed) knows now
         fit.boundary("train batch end", partial(super().on_train_batch_end, trainer, pl_module, outputs, batch,
                                                 batch_idx))
 
@@ -249,11 +253,7 @@ class GuardedCheckpoint(_CheckpointBase):
         fit.save(filepath)
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        fit = self._fit_for(trainer)
-        if own_transaction(self) is None:
-            fit.evict(filepath)
-        else:
-            fit.writer.remove(filepath, fit.evict)  # once every write of the boundary succeeded
+        self._fit_for(trainer).remove(filepath, in_boundary=own_transaction(self) is not None)
 
     def _remove_for_real(self, trainer: pl.Trainer, filepath: str) -> None:
         """``ModelCheckpoint``'s own removal."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -138,16 +138,17 @@ class GuardedFit:
             scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
             self.guard.record(optimizer, step=self.trainer.global_step, skipped=scaler_skip_flag(scaler, optimizer))
 
-    def end_batch(self, outputs: Any) -> None:
+    def record_loss(self, loss: Tensor) -> None:
+        """Before each backward: with a spike gate, its loss (``training_step``'s, as Lightning scaled it for
+        accumulation) joins the step under way, device-side, before the step is recorded and before any boundary."""
+        if self.guard is not None:
+            self.guard.record_loss(loss)  # nothing without a spike gate (read under no_grad)
+
+    def end_batch(self) -> None:
         """At a train batch end, before its boundary: settle a step whose skip outcome the source knows only now
-        (DeepSpeed), and with a spike gate give ``training_step``'s loss (as Lightning scaled it for accumulation)
-        to the step under way, device-side."""
-        if self.guard is None:
-            return
-        self.guard.conclude_step()
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if isinstance(loss, Tensor):
-            self.guard.record_loss(loss)  # nothing without a spike gate
+        (DeepSpeed)."""
+        if self.guard is not None:
+            self.guard.conclude_step()
 
     # ------------------------------------------------------------------ boundaries
 
@@ -202,6 +203,14 @@ class GuardedFit:
         if trainer.is_global_zero:  # after the move into place, so a logger that uploads the file finds it
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(checkpoint))
+
+    def remove(self, path: str, in_boundary: bool) -> None:
+        """``ModelCheckpoint``'s removal of ``path``: in a boundary once every write of the boundary succeeded, else
+        now."""
+        if in_boundary:
+            self.writer.remove(path, self.evict)
+        else:
+            self.evict(path)
 
     def evict(self, path: str) -> None:
         """``ModelCheckpoint``'s own removal, for real, and the copy an earlier replacement kept for readers (else a
@@ -315,9 +324,9 @@ class GuardedFit:
         running = trainer.state.stage is not None
         if decisions.rejection is None:
             verdict = self._agree(f"a save to {filepath}")
-            if verdict.accepted:
+            if verdict.accepted:  # a fresh window (a spike gate learns this one) once the write succeeded everywhere
                 assert self.guard is not None
-                self.guard.reset()
+                PublicationSeal.after_write(trainer, self.guard.reset)
                 return True
             if running and not trainer.interrupted:
                 self._reject(during_exception=False)

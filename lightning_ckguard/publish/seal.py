@@ -45,6 +45,7 @@ class PublicationSeal:
         # the Trainer's own attribute, if the user replaced the method (a Mock); absent when it is Lightning's method
         self._replaced_method = vars(trainer).get("save_checkpoint", _ABSENT)
         self._guards: list[weakref.ref[SaveAdmission]] = []
+        self._after_write: list[Callable[[], None]] = []  # this call's, once its write succeeded on every rank
         functools.update_wrapper(self, self._save_checkpoint, updated=())
 
     @classmethod
@@ -86,11 +87,24 @@ class PublicationSeal:
             attribute = attribute._replaced_method
         return attribute is _ABSENT
 
+    @staticmethod
+    def after_write(trainer: Any, action: Callable[[], None]) -> None:
+        """From a guard's ``admit_save``: run ``action`` once the write it admits succeeded on every rank (not if it
+        fails, nor if another guard skips it)."""
+        seal = vars(trainer).get("save_checkpoint")
+        assert isinstance(seal, PublicationSeal), "admit_save runs inside the seal's call"
+        seal._after_write.append(action)
+
     def __call__(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
-        admitted = [guard.admit_save(self._trainer, str(filepath)) for guard in self.guards]
-        if all(admitted):
-            # the arguments go on exactly as given: a save_checkpoint the user replaced sees the caller's own call
-            self._save_and_agree_on_failure(filepath, *args, **kwargs)
+        try:
+            admitted = [guard.admit_save(self._trainer, str(filepath)) for guard in self.guards]
+            if all(admitted):
+                # the arguments go on exactly as given: a save_checkpoint the user replaced sees the caller's own call
+                self._save_and_agree_on_failure(filepath, *args, **kwargs)
+                for action in self._after_write:
+                    action()
+        finally:
+            self._after_write.clear()
 
     def _save_and_agree_on_failure(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """Write, and make a failure on any rank an error on every rank.

@@ -17,7 +17,8 @@ How a tensor is read depends on where it lives (measured in ``benchmarks/``):
   therefore finite exactly when every element is. Which is faster, this probe or ``aminmax`` (the exact
   alternative), depends on the CPU and its BLAS: with MKL on an Intel Xeon the probe runs at the speed of a plain
   ``sum`` and ``aminmax`` at 1.4-1.8x that; on an AMD EPYC with 2 threads the probe costs 1.45x and ``aminmax``
-  1.1-1.25x. So the first step of a gradient layout measures both on its own large gradients (a warm-up read, then
+  1.1-1.25x. So the first step of a gradient layout measures both on its own large gradients (when they hold at least
+  :data:`CALIBRATION_MIN_NUMEL` elements; fewer are too close to time, and the probe reads them) (a warm-up read, then
   three timed reads each, once: the reading plan is cached) and keeps the faster (:func:`cpu_large_tensor_reader`);
   ``CKGUARD_CPU_READER=probe`` or ``=aminmax`` fixes the choice. Both are exact, so the choice only changes the
   speed. The probe needs true fp32 matrix products: when PyTorch is allowed to compute fp32 matmuls in bf16/tf32
@@ -74,8 +75,8 @@ SMALL_BATCH_MIN = 4
 WORKSPACE_NUMEL = 1 << 15
 #: Elements per piece of a large fp32 tensor on CPU (1 MiB): what a core's L2 cache holds on current server CPUs, so
 #: that a second reduction of the piece right after the first (a spike gate's sum of squares) reads it from there.
-#: Inside a training step (``benchmarks/spike_gate.py``), pieces of 512 KiB cost more calls than they save, 1-4 MiB
-#: about the same.
+#: Inside a training step (``benchmarks/spike_gate.py``), pieces of 256 KiB cost more calls than they save, 512 KiB
+#: to 4 MiB about the same.
 PIECE_NUMEL = 1 << 18
 #: Columns of the matrix a piece is viewed as by the probe: its scale vector stays in L1.
 PROBE_WIDTH = 1 << 10

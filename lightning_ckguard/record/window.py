@@ -183,5 +183,5 @@ class NonFiniteWindow:
         self.steps_recorded = 0
         self._pending = None
         self.pending_rejection = pending_rejection
-        if self.step_values is not None:
-            self.step_values.reset()
+        if self.step_values is not None:  # a rejected window's step under way is not the next window's
+            self.step_values.reset(keep_step_under_way=not pending_rejection)

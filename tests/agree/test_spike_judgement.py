@@ -12,6 +12,7 @@ import pickle
 
 import pytest
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import HOST_READS, CountOps
@@ -29,11 +30,14 @@ from lightning_ckguard.record.step_values import StepValues
     ("arguments", "message"),
     [
         ({"measures": ()}, "one or both of"),
+        ({"measures": None}, "one or both of"),
+        ({"measures": 1}, "one or both of"),
         ({"measures": ("loss", "perplexity")}, "one or both of"),
         ({"measures": ("loss", "loss")}, "each once"),
         ({"factor": 1.0}, "factor"),
         ({"factor": float("inf")}, "factor"),
         ({"factor": True}, "factor"),
+        ({"factor": 10**400}, "factor"),
         ({"deviations": 0}, "deviations"),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"warmup_steps": 2.5}, "warmup_steps"),
@@ -94,6 +98,30 @@ def test_a_step_spikes_only_past_both_the_factor_and_the_deviations():
     assert judge(gate, steady, _measures([25.0])).spikes[0].deviations == math.inf
 
 
+def test_a_baseline_of_zero_or_below_is_judged_by_its_size_and_one_without_size_or_spread_never_spikes():
+    gate = SpikeGate(measures="loss", factor=10, deviations=20, warmup_steps=8, history=16)
+    # a negative log-likelihood that sits at exactly -2 (a spread of 0): a tiny rise is no spike, a rise of more
+    # than (10 - 1) x 2 above it is
+    flat = _history(gate, [-2.0] * 16)
+    assert judge(gate, flat, _measures([-1.999, -1.9, 15.9])).spikes == ()
+    (spike,) = judge(gate, flat, _measures([16.5], first_step=40)).spikes
+    assert (spike.first_step, spike.baseline, spike.ratio, spike.deviations) == (40, -2.0, 10.25, math.inf)
+    assert "18.5 above its baseline of -2" in spike.describe() and "x its baseline" not in spike.describe()
+    mostly_flat = _history(gate, [-2.0] * 12 + [-1.9, -2.1, -1.8, -2.2])
+    assert judge(gate, mostly_flat, _measures([-1.9, 0.0])).spikes == ()
+    # exactly 0 for most of its history (a hinge loss with every margin met): no size, no spread, nothing to judge
+    zero = _history(gate, [0.0] * 16)
+    assert judge(gate, zero, _measures([1e-9, 1e6])).spikes == ()
+    # a median of 0 with a spread: the deviations decide
+    around_zero = _history(gate, [0.0] * 6 + [sign * k / 10 for k in range(1, 6) for sign in (1, -1)])
+    median, spread = around_zero.baseline("loss")
+    assert median == 0.0 and spread > 0
+    assert [s.value for s in judge(gate, around_zero, _measures([19 * spread, 21 * spread])).spikes] == [21 * spread]
+    # a positive baseline is judged as before: 10.5 x a steady 1.0 spikes, 9.5 x does not
+    steady = _history(gate, [1.0] * 16)
+    assert [s.value for s in judge(gate, steady, _measures([9.5, 10.5])).spikes] == [10.5]
+
+
 def test_steps_that_were_not_finite_or_gave_no_loss_are_neither_judged_nor_learned():
     gate = SpikeGate(warmup_steps=10, history=100)
     history = _history(gate, [1.0] * 20)
@@ -124,9 +152,8 @@ def test_global_values_add_up_shards_once_and_replicas_once():
 def test_a_long_window_is_folded_into_its_slots_keeping_each_slots_largest_value():
     values = StepValues(torch.device("cpu"), capacity=4)
     for step in range(10):
-        values.record_step(None, torch.tensor(float(step), dtype=torch.float64), torch.tensor(False), step)
         values.add_loss(torch.tensor(100.0 - step))
-        values.close_step()
+        values.record_step(None, torch.tensor(float(step), dtype=torch.float64), torch.tensor(False), step)
     # 10 steps in 4 slots: folded twice, 4 steps per slot; the last slot is still filling
     assert values.steps_per_slot == 4 and values.labels == [[0, 3], [4, 7], [8, 9]]
     summary = values.summary().view(rows.ROWS, 4)
@@ -136,54 +163,88 @@ def test_a_long_window_is_folded_into_its_slots_keeping_each_slots_largest_value
     assert values.labels == [] and not values.summary().any()
 
 
-def test_micro_batch_losses_add_up_to_their_steps_whichever_side_of_the_step_they_arrive():
+def test_micro_batch_losses_add_up_to_their_step_and_a_boundary_between_them_keeps_them_for_it():
     values = StepValues(torch.device("cpu"))
     zero, finite = torch.zeros((), dtype=torch.float64), torch.tensor(False)
-    values.add_loss(torch.tensor(1.0))  # a micro-batch before the step (accumulation)
-    values.close_step()  # its batch end: no step yet, the loss waits
+    values.add_loss(torch.tensor(1.0))  # the first micro-batch of step 7 (accumulation)
+    values.add_loss(torch.tensor(2.0))  # the second: then the step
     values.record_step(None, zero, finite, 7)
-    values.add_loss(torch.tensor(2.0))  # the stepping batch's end
-    values.close_step()
-    values.record_step(None, zero, finite, 8)
     values.add_loss(torch.tensor(float("nan")))
-    values.close_step()
+    values.record_step(None, zero, finite, 8)
+    values.add_loss(torch.tensor(4.0))  # the first micro-batch of step 9, then a boundary between the two
     summary = values.summary().view(rows.ROWS, -1)
     assert summary[rows.LOSS, 0] == 3.0 and summary[rows.LOSS, 1].isnan()  # a NaN loss makes its step invalid
-    assert summary[rows.LOSS_SEEN, :2].tolist() == [1.0, 1.0]
+    assert summary[rows.LOSS_SEEN, :3].tolist() == [1.0, 1.0, 0.0]  # step 9 is not recorded yet
     # the step of the NaN loss is judged on neither measure
     measures = global_values(summary.reshape(-1).tolist(), values.capacity, values.labels, 1)
     assert measures.values == {"loss": (3.0, None), "grad_norm": (0.0, None)}
+    values.reset()  # the window was published: step 9's first micro-batch stays for it
+    values.add_loss(torch.tensor(5.0))
+    values.record_step(None, zero, finite, 9)
+    assert values.labels == [[9, 9]] and values.summary()[rows.LOSS * values.capacity] == 9.0
+    values.add_loss(torch.tensor(6.0))
+    values.reset(keep_step_under_way=False)  # a rejected window: its step under way is not the next window's
+    values.record_step(None, zero, finite, 10)
+    assert values.summary()[rows.LOSS_SEEN * values.capacity] == 0.0
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["cpu-two-passes", "one-pass"])
+def test_a_step_that_was_not_finite_hides_no_other_step_of_its_folded_slot():
+    values = StepValues(torch.device("cpu"), capacity=2)
+    nan, not_finite, finite = torch.tensor(math.nan, dtype=torch.float64), torch.tensor(True), torch.tensor(False)
+
+    def step(number: int, squares: Tensor, invalid: Tensor, loss: float) -> None:
+        values.add_loss(torch.tensor(loss))
+        values.record_step(None, squares.to(torch.float64), invalid, number)
+
+    step(0, torch.tensor(1.0), finite, 1.0)
+    step(1, nan, not_finite, 2.0)  # a step a loss scaler skipped, in a slot of its own until the fold
+    step(2, torch.tensor(1e6), finite, 1e3)  # folds 0-1; a spike
+    step(3, nan, not_finite, 1.0)  # skipped, in the spike's slot
+    assert values.labels == [[0, 1], [2, 3]] and values.steps_in_slots == [2, 2]
+    measures = global_values(values.summary().tolist(), values.capacity, values.labels, 1, values.steps_in_slots)
+    assert measures.values == {"loss": (1.0, 1e3), "grad_norm": (1.0, 1e3)}
+    # a slot whose every step was not finite has no values; one step that was not finite neither
+    step(4, nan, not_finite, 1.0)  # folds again: 0-3 (4 steps, 2 of them not finite) and 4
+    step(5, nan, not_finite, 1.0)
+    assert values.labels == [[0, 3], [4, 5]] and values.steps_in_slots == [4, 2]
+    measures = global_values(values.summary().tolist(), values.capacity, values.labels, 1, values.steps_in_slots)
+    assert measures.values == {"loss": (1e3, None), "grad_norm": (1e3, None)}
+    # over 2 ranks, a slot of 2 steps both not finite on one rank still has the other rank's values
+    words = values.summary().view(rows.ROWS, 2).clone()
+    words[:, 1] += torch.tensor([7.0, 1.0, 49.0, 0.0, 0.0], dtype=torch.float64)  # rank 2's shard of slot 4-5
+    measures = global_values(words.reshape(-1).tolist(), values.capacity, values.labels, 2, values.steps_in_slots)
+    assert measures.values["loss"][1] == 7.0 and measures.values["grad_norm"][1] == 7.0
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["cpu", "one-pass"])
 def test_flags_stay_exact_and_the_squares_add_up(monkeypatch, one_pass):
     if one_pass:  # the accelerator path, run on CPU tensors: fp64 norms give the flags and the squares at once
         monkeypatch.setattr(squares, "_one_pass", lambda values: True)
-    # read in pieces with its flags on a CPU, large enough for a BLAS dot, small enough for the fused norm, 3e38
-    # (finite), a NaN
-    grads = [torch.randn(300, 1000), torch.randn(128, 64), torch.randn(7), torch.tensor([3e38, -3e38, 1.0]),
-             torch.tensor([1.0, float("nan")])]
+    # on a CPU: read in pieces, its squares taken along; read by aminmax, a dot after it; four small ones read in a
+    # batch, whose squares take a pass of their own (the fused norm); 3e38 (finite); a NaN
+    grads = [torch.randn(300, 1000), torch.randn(128, 64), *[torch.randn(7) for _ in range(4)],
+             torch.tensor([3e38, -3e38, 1.0]), torch.tensor([1.0, float("nan")])]
     reader, cpu = FlagsAndSquares(), torch.device("cpu")
     flags, total = reader(grads, cpu)
-    assert flags.tolist() == [False, False, False, False, True]  # 3e38 is finite, whatever its square is
+    assert flags.tolist() == [False] * 7 + [True]  # 3e38 is finite, whatever its square is
     assert total.isnan(), "a step with a non-finite gradient has no sum of squares: it is the finiteness check's"
-    finite = sum(float(g.double().square().sum()) for g in grads[:3])
-    flags, total = reader(grads[:4], cpu)
+    finite = sum(float(g.double().square().sum()) for g in grads[:6])
+    flags, total = reader(grads[:7], cpu)
     assert not flags.any()
     if one_pass:
-        large = float(grads[3][0])  # 3e38 as fp32 holds it
+        large = float(grads[6][0])  # 3e38 as fp32 holds it
         assert float(total) == pytest.approx(finite + 2 * large**2 + 1, rel=1e-12)
     else:  # in fp32 on a CPU: the squares of 3e38 overflow, and the step is above every baseline
         assert float(total) == math.inf
-        assert float(reader(grads[:3], cpu)[1]) == pytest.approx(finite, rel=1e-5)
+        assert float(reader(grads[:6], cpu)[1]) == pytest.approx(finite, rel=1e-5)
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["cpu-two-passes", "one-pass"])
+@pytest.mark.parametrize("one_pass", [False, True], ids=["cpu", "one-pass"])
 def test_a_gradient_held_by_several_ranks_counts_its_squares_once(monkeypatch, one_pass):
     if one_pass:
         monkeypatch.setattr(squares, "_one_pass", lambda values: True)
-    # a mid-size one (a dot on a CPU), a small one (the fused norm), an fp16 one, one read in pieces with its flags on
-    # a CPU; held by 2, 1, 4 and 8 ranks
+    # on a CPU: a mid-size one and a small one (a dot after their aminmax), an fp16 one (a pass of its own), one read
+    # in pieces with its flags; held by 2, 1, 4 and 8 ranks
     grads = [torch.randn(128, 64), torch.randn(7), torch.randn(9).half(), torch.randn(300, 1000)]
     each = [float(g.double().square().sum()) for g in grads]
     reader = FlagsAndSquares()
@@ -261,6 +322,26 @@ def test_a_finite_spike_rejects_with_its_step_value_and_baseline_and_teaches_not
     assert report.metrics()["ckguard/loss_baseline"] == error.spikes[0].baseline
 
 
+def test_a_loss_given_before_its_step_is_recorded_is_that_steps_loss():
+    model = torch.nn.Linear(3, 1)
+    guard = GradientGuard(model, spike_gate=SpikeGate())
+    given = [1.0, 2.0, 3.0, 4.0]
+    for step, loss in enumerate(given):
+        model.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        if step == 2:  # an accumulated step: its micro-batches' losses, then the step
+            guard.record_loss(torch.tensor(loss / 2))
+            guard.record_loss(torch.tensor(loss / 2))
+            guard.record(step=step)
+        elif step == 3:
+            guard.record(step=step, loss=torch.tensor(loss))
+        else:
+            guard.record_loss(torch.tensor(loss))
+            guard.record(step=step)
+    values = guard.window.step_values
+    assert values.summary().view(rows.ROWS, -1)[rows.LOSS, :4].tolist() == given
+
+
 def test_an_error_without_spikes_keeps_the_fields_of_earlier_releases():
     error = NonFiniteGradientError(ranks=[1], first_step=3, last_step=3, num_steps=1, global_step=4)
     assert "spikes" not in error.fields() and error.spikes == ()
@@ -270,9 +351,8 @@ def test_negative_losses_are_kept_as_they_are_in_their_slots_and_folds():
     values = StepValues(torch.device("cpu"), capacity=2)
     zero, finite = torch.zeros((), dtype=torch.float64), torch.tensor(False)
     for step, loss in enumerate([-2.0, -1.5, -1.75]):
-        values.record_step(None, zero, finite, step)
         values.add_loss(torch.tensor(loss))
-        values.close_step()
+        values.record_step(None, zero, finite, step)
     # 3 steps in 2 slots: steps 0-1 folded into one (the larger, -1.5), step 2 alone; an empty slot is not a 0 loss
     assert values.labels == [[0, 1], [2, 2]]
     assert values.summary().view(rows.ROWS, 2)[rows.LOSS].tolist() == [-1.5, -1.75]
@@ -283,10 +363,9 @@ def test_a_step_that_joins_a_folded_slot_keeps_its_negative_loss_and_a_step_with
     finite = torch.tensor(False)
 
     def step(number: int, squares: float, loss: float | None) -> None:
-        values.record_step(None, torch.tensor(squares, dtype=torch.float64), finite, number)
         if loss is not None:
             values.add_loss(torch.tensor(loss))
-        values.close_step()
+        values.record_step(None, torch.tensor(squares, dtype=torch.float64), finite, number)
 
     step(0, 1.0, -2.0)
     step(1, 1.0, -1.5)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import QUIET, RecordingLogger
@@ -67,8 +67,9 @@ def fit(root: Any, data: list, policy: str = "skip", max_steps: int = 30, gate: 
     callback = FiniteGradCheckpoint(dirpath=os.path.join(root, "checkpoints"), filename="{step}",
                                     every_n_train_steps=1, save_top_k=-1, on_non_finite=policy, spike_gate=gate)
     model, logger = Regression(data), RecordingLogger()
+    callbacks = [*trainer_options.pop("callbacks", []), callback]
     options = {**QUIET, "logger": logger, "log_every_n_steps": 1, **trainer_options}
-    trainer = Trainer(max_steps=max_steps, limit_val_batches=0, callbacks=[callback], **options)
+    trainer = Trainer(max_steps=max_steps, limit_val_batches=0, callbacks=callbacks, **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, ckpt_path=ckpt_path)
@@ -119,6 +120,67 @@ def test_the_loss_of_an_accumulated_step_is_the_mean_of_its_micro_batches(tmp_pa
     (spike,) = [s for s in callback.rejection.spikes if s.measure == "loss"]
     assert spike.first_step == 20
     assert spike.value == pytest.approx((model.losses[40] + model.losses[41]) / 2, rel=1e-6)
+
+
+class ManualSave(Callback):
+    """A manual ``trainer.save_checkpoint`` at the start or the end of batch ``at`` (a user's callback: at the end,
+    before ``FiniteGradCheckpoint``'s own hook); a failure is kept, and training goes on."""
+
+    def __init__(self, at: int, path: Any, when: str = "end") -> None:
+        self.at, self.path, self.when = at, path, when
+        self.failure: Exception | None = None
+        self.history_before: dict[str, int] = {}
+        self.history_after: dict[str, int] = {}
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if (self.when, batch_idx) == ("start", self.at):
+            self._save(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if (self.when, batch_idx) == ("end", self.at):
+            self._save(trainer)
+
+    def _save(self, trainer: Trainer) -> None:
+        guard = next(c for c in trainer.callbacks if isinstance(c, FiniteGradCheckpoint))._fit.guard
+        self.history_before = {m: len(v) for m, v in guard._spike_history.values.items()}
+        try:
+            trainer.save_checkpoint(self.path)
+        except OSError as error:
+            self.failure = error
+        self.history_after = {m: len(v) for m, v in guard._spike_history.values.items()}
+
+
+def test_a_save_between_micro_batches_keeps_the_first_ones_loss_for_its_step(tmp_path):
+    # batches 40 and 41 make global step 20; the bad one is the first, and a save runs after it (and agrees)
+    save = ManualSave(41, tmp_path / "between.ckpt", when="start")
+    callback, model, _, _ = fit(tmp_path, batches(80, bad=40), policy="stop", max_steps=30,
+                                accumulate_grad_batches=2, callbacks=[save])
+    assert save.failure is None and (tmp_path / "between.ckpt").exists()
+    (spike,) = [s for s in callback.rejection.spikes if s.measure == "loss"]
+    assert spike.first_step == 20
+    assert spike.value == pytest.approx((model.losses[40] + model.losses[41]) / 2, rel=1e-6)
+
+
+def test_a_save_before_the_guards_batch_end_judges_the_steps_own_loss(tmp_path):
+    save = ManualSave(BAD_BATCH, tmp_path / "manual.ckpt")  # runs before FiniteGradCheckpoint's batch end
+    callback, model, _, _ = fit(tmp_path, batches(40), policy="stop", max_steps=24, callbacks=[save])
+    assert not (tmp_path / "manual.ckpt").exists()  # the manual save agreed first, and was refused
+    (spike,) = [s for s in callback.rejection.spikes if s.measure == "loss"]
+    assert (spike.first_step, spike.value) == (BAD_BATCH, pytest.approx(model.losses[BAD_BATCH], rel=1e-6))
+
+
+def test_a_manual_save_that_fails_teaches_the_gate_nothing(tmp_path):
+    (tmp_path / "a_file").write_text("")  # a path under a regular file cannot be written
+    save = ManualSave(12, tmp_path / "a_file" / "manual.ckpt")
+    callback, *_ = fit(tmp_path, batches(40, bad=None), max_steps=13, callbacks=[save],
+                       gate=SpikeGate(warmup_steps=8, history=200))
+    assert save.failure is not None
+    # the checkpoints of steps 1-12 were published one by one: 12 values learned before the save, and the failed save
+    # learned none; the boundary of step 13 then published the window that the failed save had agreed on
+    assert save.history_before == save.history_after == {"loss": 12, "grad_norm": 12}
+    published = torch.load(tmp_path / "checkpoints" / "step=13.ckpt", weights_only=True)
+    history = published["callbacks"][callback.state_key]["spike_history"]
+    assert {m: len(v) for m, v in history.items()} == {"loss": 13, "grad_norm": 13}
 
 
 def test_a_finite_run_with_the_gate_publishes_what_model_checkpoint_does(tmp_path):
