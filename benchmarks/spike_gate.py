@@ -526,9 +526,8 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
             on.reset()
 
     def step_values() -> None:
-        values.record_step(None, squares, invalid, steps[0])
         values.add_loss(detached)
-        values.close_step()
+        values.record_step(None, squares, invalid, steps[0])
         if len(values.labels) >= 200:
             values.reset()
 
