@@ -37,8 +37,8 @@ How a tensor is read depends on where it lives (measured in ``benchmarks/``):
 - **Everything else** (mid-size tensors, small tensors of a rare shape, large fp64/bf16/fp16 tensors, tensors that
   no permutation makes contiguous, other dtypes): ``torch.aminmax`` per tensor, one read-only pass without
   temporaries, written straight into one preallocated ``(2, n)`` buffer per group, so a model of a few large tensors
-  costs its reads plus a handful of tiny kernels. With squares, a dot follows the read of each contiguous fp32 or
-  fp64 one.
+  costs its reads plus a handful of tiny kernels. With squares, a dot follows the read of each fp32 or
+  fp64 one that some permutation makes contiguous (a channels-last one too).
 
 Per-parameter attribution is free: every probe is per tensor. Extra memory is O(number of gradient tensors and
 pieces) plus two bounded constants per dtype (the workspace and a scale vector); no temporary is ever the size of a
@@ -172,11 +172,15 @@ class IndexTensors:
 
 
 def _dense_values(grad: Tensor) -> Tensor:
+    """The stored values of a sparse or complex gradient, as a real strided tensor."""
     if grad.is_sparse:
         # coalescing sums duplicate indices, as the optimizer will, so an overflow of the sum is caught too
         grad = grad.coalesce().values()
+    elif grad.layout != torch.strided:  # compressed (CSR, CSC, BSR, BSC): one value per index
+        grad = grad.values()
     if grad.is_complex():
-        grad = torch.view_as_real(grad)
+        # autograd leaves a parameter used through ``.conj()`` a lazily conjugated gradient: made real first
+        grad = torch.view_as_real(grad.resolve_conj().resolve_neg())
     return grad
 
 
@@ -313,20 +317,25 @@ class _Extremes:
     dot_outputs: list[Tensor | None] = field(init=False)
     squared: list[int] = field(init=False, default_factory=list)  # the members with a dot
     dots: Tensor | None = field(init=False, default=None)
+    flat_orders: list[tuple[int, ...]] = field(init=False)  # per member with a dot: the permutation that flattens it
 
     def __post_init__(self) -> None:
         self.mins, self.maxs = list(self.buffer[0].unbind()), list(self.buffer[1].unbind())
         self.dot_outputs = [None] * len(self.members)
+        self.flat_orders = [()] * len(self.members)
 
     def take_squares(self, values: list[Tensor]) -> None:
-        """Plan a BLAS dot after the read of each contiguous fp32 or fp64 member, while it is in cache (the others'
-        squares are left to the caller: a dot of fp16 overflows, one of bf16 rounds twice)."""
+        """Plan a BLAS dot after the read of each fp32 or fp64 member that some permutation makes contiguous
+        (channels-last ones too), while it is in cache (the others' squares are left to the caller: a dot of fp16
+        overflows, one of bf16 rounds twice)."""
         if self.buffer.dtype not in (torch.float32, torch.float64):
             return
-        self.squared = [i for i in self.members if values[i].is_contiguous()]
+        orders = {i: _flat_order(values[i]) for i in self.members}
+        self.squared = [i for i in self.members if orders[i] is not None]
         self.dots = torch.empty(len(self.squared), dtype=self.buffer.dtype, device=self.buffer.device)
         outputs = dict(zip(self.squared, self.dots.unbind(), strict=True))
         self.dot_outputs = [outputs.get(i) for i in self.members]
+        self.flat_orders = [orders[i] or () for i in self.members]
 
     @classmethod
     def over(cls, members: list[int], dtype: torch.dtype, device: torch.device) -> _Extremes:
@@ -336,10 +345,11 @@ class _Extremes:
     def read(self, values: list[Tensor], squares: bool = False) -> Tensor:
         """Per member: True where the tensor holds a non-finite value. With ``squares``, :attr:`dots` holds the sum
         of squares of each member of :attr:`squared` afterwards."""
-        for i, low, high, dot_output in zip(self.members, self.mins, self.maxs, self.dot_outputs, strict=True):
+        for i, low, high, dot_output, order in zip(self.members, self.mins, self.maxs, self.dot_outputs,
+                                                   self.flat_orders, strict=True):
             torch.aminmax(values[i], out=(low, high))
             if squares and dot_output is not None:
-                flat = values[i] if values[i].dim() == 1 else values[i].view(-1)
+                flat = (values[i].permute(order) if order else values[i]).view(-1)
                 torch.dot(flat, flat, out=dot_output)  # the tensor just read, still in cache
         return _non_finite(self.buffer).any(dim=0)
 
@@ -442,15 +452,15 @@ class NonFiniteCheck:
         ieee = _fp32_matmul_is_ieee()
         key = (ieee, *map(_layout_key, grads))
         values = list(grads)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self.MAX_PLANS:
-                self._plans.clear()
-            plan = self._plans[key] = self._plan(values, ieee)
-        for i in plan.converted:
-            values[i] = _dense_values(values[i])
         taken = None
-        with torch.no_grad():
+        with torch.no_grad():  # gradients of a backward with ``create_graph=True`` require grad themselves
+            plan = self._plans.get(key)
+            if plan is None:
+                if len(self._plans) >= self.MAX_PLANS:
+                    self._plans.clear()
+                plan = self._plans[key] = self._plan(values, ieee)
+            for i in plan.converted:
+                values[i] = _dense_values(values[i])
             try:
                 parts = [self._read(group, values, squares) for group in plan.groups]
                 taken = plan.taken if squares else None

@@ -7,10 +7,12 @@
 - **Everything else** (CPU, fp64 gradients): the finiteness flags come from :class:`NonFiniteCheck`, exact as ever.
   The fp32 and fp64 gradients it reads by the probe in pieces (the large fp32 ones) or by ``aminmax`` give their
   squares too: a BLAS dot of each piece or tensor right after its exact read, which finds it in the core's cache
-  (:meth:`NonFiniteCheck.read`). The other gradients' squares (small ones read in batches, fp16, bf16) take a pass
-  of their own, in their own precision (fp16 in fp32): a BLAS dot per fp32 or fp64 tensor above
-  :data:`DOT_NUMEL` elements, a fused ``_foreach_norm`` for the rest. A float64 norm costs several times more on a
-  CPU (7x the whole record at 2 threads, ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16
+  (:meth:`NonFiniteCheck.read`). The other gradients' squares (small ones read in batches, fp16, bf16, ones that no
+  permutation makes contiguous) take a pass of their own, in their own precision (fp16 in fp32): a BLAS dot per fp32
+  or fp64 contiguous tensor above :data:`DOT_NUMEL` elements, a fused ``_foreach_norm`` for the rest, accumulated in
+  float64 for CPU fp32 and fp16 ones above that size (an fp32 sum over a strided 4M-element tensor drifts by 1e-3).
+  A float64 norm of every gradient would cost several times more on a CPU (7x the whole record at 2 threads,
+  ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16
   norm is rounded to bf16 (a relative error of at most ``2**-8`` in the norm), then squared in float64. A tensor
   whose squares overflow that precision (an fp32 gradient or piece whose norm is above about ``1.8e19``) has a sum of
   squares of ``inf`` although it is finite: it is not flagged (the flags are exact), and a spike gate sees a value
@@ -127,7 +129,7 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
     summed by one reduction."""
     squares: list[Tensor] = []
     order: list[int] = []  # the position in ``values`` of each entry of ``squares``
-    by_group: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
+    by_group: dict[tuple[torch.device, torch.dtype, torch.dtype | None], list[tuple[int, Tensor]]] = {}
     with torch.no_grad():
         for position, value in enumerate(values):
             if value.device.type == "cpu" and value.dtype in _DOT_DTYPES and value.numel() > DOT_NUMEL and (
@@ -136,9 +138,8 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
                 squares.append(torch.dot(flat, flat))
                 order.append(position)
             else:
-                by_group.setdefault((value.device, value.dtype), []).append((position, value))
-        for (_, dtype), group in by_group.items():
-            precision = torch.float32 if dtype == torch.float16 else None
+                by_group.setdefault((value.device, value.dtype, _norm_precision(value)), []).append((position, value))
+        for (_, _, precision), group in by_group.items():
             norms = torch._foreach_norm([v for _, v in group], 2, dtype=precision)
             if norms[0].dtype in _DOT_DTYPES:
                 squares += torch._foreach_mul(norms, norms)
@@ -150,6 +151,15 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
             return torch.zeros((), dtype=torch.float64, device=out_device)
         in_order = [weights[position] for position in order] if weights is not None else None
         return _summed(squares, in_order, out_device)
+
+
+def _norm_precision(value: Tensor) -> torch.dtype | None:
+    """What a norm of ``value`` accumulates in (None: its own dtype). On a CPU, fp32 and fp16 tensors too large for
+    short sums (non-contiguous ones: no dot takes them) in float64: an fp32 sum over a strided or expanded tensor of
+    4M elements drifts by 1e-3 (``tests/agree/test_spike_judgement.py``); small fp16 ones in fp32."""
+    if value.device.type == "cpu" and value.dtype in (torch.float32, torch.float16) and value.numel() > DOT_NUMEL:
+        return torch.float64
+    return torch.float32 if value.dtype == torch.float16 else None
 
 
 def _summed(squares: list[Tensor], weights: Sequence[float] | None, out_device: torch.device) -> Tensor:

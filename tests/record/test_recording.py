@@ -260,6 +260,46 @@ def test_sparse_gradients_whose_values_change_size_stay_exact(nonzeros):
         assert reader([torch.ones(3), *planted], cpu)[0].tolist() == [False, False, False, True, False]
 
 
+def test_gradients_that_require_grad_are_read_and_measured_without_autograd(monkeypatch):
+    # backward(create_graph=True), as second-order optimizers run it, leaves gradients that require grad; the first
+    # step of a large layout times both readers on them (a shape of its own here, so that it is measured)
+    monkeypatch.delenv("CKGUARD_CPU_READER", raising=False)
+    layer = torch.nn.Linear(1024, 1031, bias=False)
+    layer(torch.randn(2, 1024)).pow(2).sum().backward(create_graph=True)
+    assert layer.weight.grad.requires_grad and layer.weight.grad.numel() >= finiteness.CALIBRATION_MIN_NUMEL
+    flags, total = FlagsAndSquares()([layer.weight.grad], torch.device("cpu"))
+    assert not flags.any() and float(total) == pytest.approx(float(layer.weight.grad.double().square().sum()), rel=1e-5)
+    layer.weight.grad = None  # the reference cycle create_graph makes
+
+
+def test_a_lazily_conjugated_complex_gradient_is_read():
+    # a complex parameter used through .conj(): autograd leaves its gradient a conjugated view
+    weight = torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))
+    (torch.randn(8, dtype=torch.complex64) * weight.conj()).real.sum().backward()
+    grad = weight.grad
+    assert grad.is_conj()
+    flags, total = FlagsAndSquares()([grad], torch.device("cpu"))
+    assert not flags.any() and float(total) == pytest.approx(float(grad.abs().double().square().sum()), rel=1e-6)
+    planted = grad.clone()
+    planted[3] = complex(float("nan"), 0.0)
+    assert NonFiniteCheck()([planted.conj()], torch.device("cpu")).tolist() == [True]
+
+
+@pytest.mark.parametrize("layout", ["every-other", "column-slice", "expanded", "channels-last"])
+def test_the_squares_of_gradients_no_dot_can_take_are_summed_without_drift(layout):
+    torch.manual_seed(0)
+    grad = {"every-other": lambda: torch.randn(8_000_000)[::2],
+            "column-slice": lambda: torch.randn(4000, 1024)[:, :1000],
+            "expanded": lambda: torch.randn(1, 4096).expand(1024, 4096),
+            "channels-last": lambda: torch.randn(64, 64, 4, 4).to(memory_format=torch.channels_last)}[layout]()
+    flags, total = FlagsAndSquares()([grad], torch.device("cpu"))
+    # a float32 sum over 4M strided elements drifts by 1e-3; the accumulation in float64 does not
+    assert not flags.any() and float(total) == pytest.approx(float(grad.double().square().sum()), rel=1e-6)
+    # a channels-last one is contiguous once permuted: a dot takes its squares right after its read
+    _, taken = NonFiniteCheck().read([grad], torch.device("cpu"), squares=True)
+    assert (taken is not None and taken.positions == [0]) == (layout == "channels-last")
+
+
 def test_reduced_fp32_matmul_precision_stays_exact():
     # bf16 matmuls would turn fp32 max into inf: the check must not use them
     matmul = torch.backends.mkldnn.matmul
