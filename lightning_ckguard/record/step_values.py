@@ -1,7 +1,7 @@
 """Per-step values of the window for a spike gate: each optimizer step's loss and gradient sum of squares, on the
 device, in a buffer of a fixed size.
 
-Recording a step writes a few numbers into one slot of a small float64 matrix with about six tiny kernels; nothing
+Recording a step writes a few numbers into one slot of a small float64 matrix with six to nine tiny kernels; nothing
 is read back to the host and nothing is communicated. At a boundary the whole matrix (:meth:`StepValues.summary`,
 ``ROWS x capacity`` words, whatever the window's length) is summed over the ranks in one all-reduce, and every rank
 reads the same global values from it (``lightning_ckguard.agree.spikes``).
@@ -33,6 +33,8 @@ steps there, so the slot's other steps are still judged (:attr:`StepValues.steps
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -46,8 +48,8 @@ class StepValues:
     """The per-step values of one rank's window (see the module docstring), with their step labels on the host.
 
     The step under way collects its losses in one small vector, and recording its gradients writes that vector into
-    the step's slot with one copy (merged with the slot's other steps, for a step that joins a folded slot): about
-    six tiny kernels per step, every view made once here.
+    the step's slot with one copy (merged with the slot's other steps, for a step that joins a folded slot): six tiny
+    kernels per step, nine in a folded window, every view made once here.
 
     Args:
         device: Where the values live (the gradients' device, so recording needs no copy).
@@ -59,16 +61,24 @@ class StepValues:
             raise ValueError(f"`capacity` must be a power of two of at least 2, got {capacity!r}.")
         self.device = torch.device(device)
         self.capacity = capacity
+        # a slot's LOSS holds -inf until a step gives it a loss (so that merging is a plain maximum, negative losses
+        # included); the summary reads it as 0 there
         self.values = torch.zeros(ROWS, capacity, dtype=torch.float64, device=self.device)
+        self.values[LOSS] = -math.inf
         self.labels: list[list[int]] = []  # per used slot, [first step, last step] (host ints)
         self.steps_in_slots: list[int] = []  # per used slot, how many steps it holds (host ints)
         self.steps_per_slot = 1
-        # the step under way, one value per row; its row views and each slot's column are made once
+        # the step under way, one value per row; its row views and each slot's column views are made once
         self._step = torch.zeros(ROWS, dtype=torch.float64, device=self.device)
         self._step_rows = self._step.unbind(0)
         self._columns = self.values.unbind(1)
+        self._column_values = [column[:INVALID] for column in self._columns]  # every row but INVALID (the last)
+        self._column_counts = [column[INVALID] for column in self._columns]
         self._loss_given = False
         self._value_rows = torch.arange(ROWS, device=self.device) != INVALID
+        # what a step that was not finite leaves of its values in a folded slot: no loss, no squares
+        self._count_only = torch.zeros(ROWS, dtype=torch.float64, device=self.device)
+        self._count_only[LOSS] = -math.inf
 
     def add_loss(self, loss: Tensor | float) -> None:
         """Add a micro-batch's loss to the step under way, the next one :meth:`record_step` records (device-side; a
@@ -94,23 +104,32 @@ class StepValues:
         if replicated is not None:
             self._step_rows[REPLICATED].copy_(replicated)
         self._step_rows[INVALID].copy_(invalid)
-        column = self._columns[slot]
+        if not self._loss_given:
+            self._step_rows[LOSS].fill_(-math.inf)
         if self.steps_per_slot == 1:  # a slot per step: the step as it is
-            column.copy_(self._step)
-        else:  # a folded window: merged with the slot's earlier steps, if any (a fresh column is all zeros)
-            column.copy_(_merged(column, self._counts_only_where_invalid(self._step)))
+            self._columns[slot].copy_(self._step)
+        else:  # a folded window: the larger of each value, the counts added (a fresh slot holds no loss, zeros)
+            # a step that was not finite here adds only its count: its values would hide the slot's other steps (a
+            # NaN wins every maximum)
+            step_values = torch.where(self._value_rows & invalid, self._count_only, self._step)
+            values = self._column_values[slot]
+            torch.maximum(values, step_values[:INVALID], out=values)
+            self._column_counts[slot].add_(step_values[INVALID])
         self._step.zero_()
         self._loss_given = False
 
     def summary(self) -> Tensor:
         """This rank's values as ``ROWS * capacity`` float64 words on the device, to be summed over the ranks; slots
-        past :attr:`labels` are zero everywhere."""
-        return self.values.reshape(-1)
+        past :attr:`labels` are zero everywhere, and so is a slot's loss where no step gave one."""
+        summary = self.values.clone()
+        summary[LOSS] = torch.where(self.values[LOSS_SEEN] > 0, self.values[LOSS], 0.0)
+        return summary.reshape(-1)
 
     def reset(self, *, keep_step_under_way: bool = True) -> None:
         """Start a fresh window. The losses of a step under way (micro-batches before a boundary) stay for it,
         unless ``keep_step_under_way`` is False (a rejected window: its step is not the next window's)."""
         self.values.zero_()
+        self.values[LOSS] = -math.inf
         self.labels.clear()
         self.steps_in_slots.clear()
         self.steps_per_slot = 1
@@ -131,32 +150,23 @@ class StepValues:
         self.steps_in_slots.append(1)
         return len(self.labels) - 1
 
-    def _counts_only_where_invalid(self, values: Tensor) -> Tensor:
-        """Steps (a column, or the one-step slots before the first fold) that were not finite here, with only their
-        count left: their values would hide their slot's other steps (a ``NaN`` wins every ``maximum``)."""
-        invalid = values[INVALID] > 0
-        rows = self._value_rows if values.dim() == 1 else self._value_rows[:, None]
-        return torch.where(rows & invalid, 0.0, values)
-
     def _fold(self) -> None:
+        """Each pair of neighbouring slots as one: the larger of each value, the counts added. Before the first fold a
+        slot holds one step, and one that was not finite keeps only its count, as a step joining a folded slot."""
         half = self.capacity // 2
-        values = self.values if self.steps_per_slot > 1 else self._counts_only_where_invalid(self.values)
-        self.values[:, :half] = _merged(values[:, 0::2], values[:, 1::2])
+        values = self.values
+        if self.steps_per_slot == 1:
+            invalid = self._value_rows[:, None] & (values[INVALID] > 0)
+            values = torch.where(invalid, self._count_only[:, None], values)
+        even, odd = values[:, 0::2], values[:, 1::2]
+        folded = torch.maximum(even, odd)
+        folded[INVALID] = even[INVALID] + odd[INVALID]
+        self.values[:, :half] = folded
         self.values[:, half:] = 0
+        self.values[LOSS, half:] = -math.inf
         self.labels = [[self.labels[2 * i][0], self.labels[2 * i + 1][1]] for i in range(half)]
         self.steps_in_slots = [self.steps_in_slots[2 * i] + self.steps_in_slots[2 * i + 1] for i in range(half)]
         self.steps_per_slot *= 2
-
-
-def _merged(a: Tensor, b: Tensor) -> Tensor:
-    """Two slots' values (columns, or matrices of them) as one: each row's larger value; a loss only where a step gave
-    one (the larger of two, else the one there is: it may be negative); the counts of steps that were not finite
-    added up."""
-    merged = torch.maximum(a, b)
-    a_seen, b_seen = a[LOSS_SEEN] > 0, b[LOSS_SEEN] > 0
-    merged[LOSS] = torch.where(a_seen & b_seen, merged[LOSS], torch.where(a_seen, a[LOSS], b[LOSS]))
-    merged[INVALID] = a[INVALID] + b[INVALID]
-    return merged
 
 
 __all__ = ["DEFAULT_CAPACITY", "ROWS", "StepValues"]
