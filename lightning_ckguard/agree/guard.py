@@ -136,12 +136,13 @@ class GradientGuard:
                              scale=gradient_scale() if gradient_scale is not None else 1.0,
                              replicas=getattr(self.source, "gradient_replicas", None))
 
-    def record_loss(self, loss: Tensor | float) -> None:
+    def record_loss(self, loss: Tensor | float, *, scale: Tensor | float | None = None) -> None:
         """Add a loss to the step under way, for a spike gate watching the loss (nothing without one): device-side,
         no host read. The losses given since the last :meth:`record` add up to the next one's (every micro-batch's
-        of an accumulated step); a Lightning callback gives each backward's."""
+        of an accumulated step); a Lightning callback gives each backward's. ``scale``: what ``loss`` was multiplied
+        by (a loss scaler's scale), divided out on the device."""
         if self.window.step_values is not None:
-            self.window.step_values.add_loss(loss)
+            self.window.step_values.add_loss(loss if scale is None else loss / scale)
 
     def conclude_step(self) -> None:
         """After the optimizer step: settle a step whose skip outcome the source only knows now (DeepSpeed)."""
@@ -205,7 +206,7 @@ class GradientGuard:
         if values is None or history is None or self.spike_gate is None:
             return SpikeCheck()
         summed = all_reduce_values(collective, values.summary().clone(), op="sum").tolist()
-        measures = global_values(summed, values.capacity, values.labels, world_size, values.steps_in_slots)
+        measures = global_values(summed, values.capacity, values.labels, world_size)
         self._accepted_window = measures  # until the verdict says otherwise
         return judge(self.spike_gate, history, measures)
 

@@ -113,19 +113,17 @@ class StepMeasures:
     labels: tuple[tuple[int, int], ...]
 
 
-def global_values(words: Sequence[float], capacity: int, labels: Sequence[Sequence[int]], world_size: int,
-                  steps_in_slots: Sequence[int] | None = None) -> StepMeasures:
+def global_values(words: Sequence[float], capacity: int, labels: Sequence[Sequence[int]], world_size: int
+                  ) -> StepMeasures:
     """Read the step values summed over every rank (``rows.ROWS * capacity`` words) into global ones: the loss as
     the mean over the ranks that gave one, the gradient norm from the partitions' squares plus the replicated squares
-    once. ``steps_in_slots``: how many steps each slot holds (one each without it). A slot of one step that was not
-    finite on some rank has no values; a slot of several has the values of its other steps, unless none is left."""
+    once. A slot that holds a step that was not finite on some rank (and not left out) has no values; one whose steps
+    were all left out has no gradient norm (its squares are ``-inf``)."""
     table = [words[row * capacity : (row + 1) * capacity] for row in range(rows.ROWS)]
     loss: list[float | None] = []
     grad_norm: list[float | None] = []
     for slot in range(len(labels)):
-        not_finite, steps = table[rows.INVALID][slot], steps_in_slots[slot] if steps_in_slots is not None else 1
-        if (not_finite > 0 and (steps == 1 or not_finite >= steps * world_size)) or not math.isfinite(
-                table[rows.LOSS][slot]):  # a rank's was not finite
+        if table[rows.INVALID][slot] > 0 or not math.isfinite(table[rows.LOSS][slot]):  # a rank's was not finite
             loss.append(None)
             grad_norm.append(None)
             continue

@@ -34,7 +34,7 @@ from lightning_ckguard.publish.staging import writes_directories
 from lightning_ckguard.publish.storage import Storage, storage_for
 from lightning_ckguard.publish.transaction import BoundaryTransaction, active_transaction, run_boundary
 from lightning_ckguard.publish.writers import WriteFailure, Writer, choose_writer
-from lightning_ckguard.record.skips import scaler_skip_flag
+from lightning_ckguard.record.skips import loss_scale, scaler_skip_flag
 from lightning_ckguard.record.source_selection import gradient_source_for
 from lightning_ckguard.record.state_sources import averaged_weights, lightning_checkpoint_state
 from lightning_ckguard.recover.policy import Response, respond
@@ -140,9 +140,11 @@ class GuardedFit:
 
     def record_loss(self, loss: Tensor) -> None:
         """Before each backward: with a spike gate, its loss (``training_step``'s, as Lightning scaled it for
-        accumulation) joins the step under way, device-side, before the step is recorded and before any boundary."""
+        accumulation) joins the step under way, device-side, before the step is recorded and before any boundary.
+        Lightning's mixed precision has multiplied it by the loss scale by then: the scale is divided out."""
         if self.guard is not None:
-            self.guard.record_loss(loss)  # nothing without a spike gate (read under no_grad)
+            scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
+            self.guard.record_loss(loss, scale=loss_scale(scaler))  # nothing without a spike gate
 
     def end_batch(self) -> None:
         """At a train batch end, before its boundary: settle a step whose skip outcome the source knows only now
@@ -326,7 +328,7 @@ class GuardedFit:
             verdict = self._agree(f"a save to {filepath}")
             if verdict.accepted:  # a fresh window (a spike gate learns this one) once the write succeeded everywhere
                 assert self.guard is not None
-                PublicationSeal.after_write(trainer, self.guard.reset)
+                PublicationSeal.after_write(self.guard.reset)
                 return True
             if running and not trainer.interrupted:
                 self._reject(during_exception=False)

@@ -9,6 +9,7 @@ can admit the write after the same preflight agreement, refuse it on every rank,
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import weakref
 from collections.abc import Callable, Iterator
@@ -18,6 +19,10 @@ from typing import Any, Protocol
 from lightning_ckguard._distributed import Failures, agree_on_failure, is_deepspeed_strategy
 from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.publish.staging import published_path
+
+#: The actions of the seal call under way, to run once its write succeeded on every rank (:meth:`after_write`).
+_AFTER_WRITE: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+    "ckguard_after_write", default=None)
 
 
 class SaveAdmission(Protocol):
@@ -45,7 +50,6 @@ class PublicationSeal:
         # the Trainer's own attribute, if the user replaced the method (a Mock); absent when it is Lightning's method
         self._replaced_method = vars(trainer).get("save_checkpoint", _ABSENT)
         self._guards: list[weakref.ref[SaveAdmission]] = []
-        self._after_write: list[Callable[[], None]] = []  # this call's, once its write succeeded on every rank
         functools.update_wrapper(self, self._save_checkpoint, updated=())
 
     @classmethod
@@ -88,23 +92,26 @@ class PublicationSeal:
         return attribute is _ABSENT
 
     @staticmethod
-    def after_write(trainer: Any, action: Callable[[], None]) -> None:
+    def after_write(action: Callable[[], None]) -> None:
         """From a guard's ``admit_save``: run ``action`` once the write it admits succeeded on every rank (not if it
-        fails, nor if another guard skips it)."""
-        seal = vars(trainer).get("save_checkpoint")
-        assert isinstance(seal, PublicationSeal), "admit_save runs inside the seal's call"
-        seal._after_write.append(action)
+        fails, nor if another guard skips it). The seal whose call is under way takes it, wherever the Trainer's
+        ``save_checkpoint`` attribute points by now (a wrapper installed after the seal, say)."""
+        actions = _AFTER_WRITE.get()
+        assert actions is not None, "admit_save runs inside a seal's call"
+        actions.append(action)
 
     def __call__(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        actions: list[Callable[[], None]] = []
+        token = _AFTER_WRITE.set(actions)
         try:
             admitted = [guard.admit_save(self._trainer, str(filepath)) for guard in self.guards]
-            if all(admitted):
-                # the arguments go on exactly as given: a save_checkpoint the user replaced sees the caller's own call
-                self._save_and_agree_on_failure(filepath, *args, **kwargs)
-                for action in self._after_write:
-                    action()
         finally:
-            self._after_write.clear()
+            _AFTER_WRITE.reset(token)
+        if all(admitted):
+            # the arguments go on exactly as given: a save_checkpoint the user replaced sees the caller's own call
+            self._save_and_agree_on_failure(filepath, *args, **kwargs)
+            for action in actions:
+                action()
 
     def _save_and_agree_on_failure(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """Write, and make a failure on any rank an error on every rank.

@@ -349,7 +349,8 @@ class _Extremes:
                                                    self.flat_orders, strict=True):
             torch.aminmax(values[i], out=(low, high))
             if squares and dot_output is not None:
-                flat = (values[i].permute(order) if order else values[i]).view(-1)
+                value = values[i].permute(order) if order else values[i]
+                flat = value if value.dim() == 1 else value.view(-1)
                 torch.dot(flat, flat, out=dot_output)  # the tensor just read, still in cache
         return _non_finite(self.buffer).any(dim=0)
 

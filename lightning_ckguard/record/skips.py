@@ -35,4 +35,13 @@ def scaler_skip_flag(scaler: Any | None, optimizer: Any) -> Tensor | None:
     return torch.stack([f.to(device, non_blocking=True) for f in found]).sum() > 0
 
 
-__all__ = ["scaler_skip_flag"]
+def loss_scale(scaler: Any | None) -> Tensor | None:
+    """The scale ``scaler`` multiplies a loss by before its backward (a device tensor, so no host sync), or ``None``
+    without an enabled scaler: a loss seen after Lightning's mixed precision scaled it is divided by it."""
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, Tensor) else None
+
+
+__all__ = ["loss_scale", "scaler_skip_flag"]

@@ -1,7 +1,7 @@
 """Per-step values of the window for a spike gate: each optimizer step's loss and gradient sum of squares, on the
 device, in a buffer of a fixed size.
 
-Recording a step writes a few numbers into one slot of a small float64 matrix with six to nine tiny kernels; nothing
+Recording a step writes a few numbers into one slot of a small float64 matrix with seven or eight tiny kernels; nothing
 is read back to the host and nothing is communicated. At a boundary the whole matrix (:meth:`StepValues.summary`,
 ``ROWS x capacity`` words, whatever the window's length) is summed over the ranks in one all-reduce, and every rank
 reads the same global values from it (``lightning_ckguard.agree.spikes``).
@@ -15,9 +15,11 @@ Rows, one column per slot:
 - ``REPLICATED``: the sum of squares of gradients every rank holds whole (DDP): the same on every rank, so the sum
   over the ranks is divided by the world size;
 - ``INVALID``: how many of the slot's steps were not finite on this rank (their gradients; their sum of squares is not
-  finite either): the finiteness check owns such a step, and a spike gate neither judges it nor learns from it. A
-  non-finite loss needs no row of its own: it leaves its slot's ``LOSS`` not finite, on every rank once summed, and a
-  spike gate reads that the same way.
+  finite either) and kept in its values: the finiteness check owns such a step, and a spike gate neither judges nor
+  learns its slot. A step every rank leaves out alike (not finite where the gradients are replicated, or skipped by
+  a loss scaler: ``record_step(left_out=...)``) adds nothing to its slot, so it hides none of its slot's other steps.
+  A non-finite loss needs no row of its own: it leaves its slot's ``LOSS`` not finite, on every rank once summed,
+  and a spike gate reads that the same way.
 
 A step's losses come first (:meth:`StepValues.add_loss`, every micro-batch's, as its backward runs), then its
 gradients' values (:meth:`StepValues.record_step`), which write the whole step into its slot: a boundary between two
@@ -27,8 +29,7 @@ it waits for its step.
 A window longer than ``capacity`` steps is folded: when the buffer is full, each pair of neighbouring slots becomes
 one (each row's larger value), and every slot from then on holds twice as many steps. Within a slot every rank keeps
 its own largest value, so the global value of a folded slot is the largest step's or above it: a fold can only make
-a spike more visible, never hide one. A step that was not finite on a rank adds only its count to a slot of several
-steps there, so the slot's other steps are still judged (:attr:`StepValues.steps_in_slots` says when none is left).
+a spike more visible, never hide one.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import Tensor
 
 LOSS, LOSS_SEEN, SHARDED, REPLICATED, INVALID = range(5)
 ROWS = 5
+_VALUE_ROWS = [LOSS, SHARDED, REPLICATED]  # the rows a slot holds -inf in until a step gives it values
 #: Slots per window by default: a window of up to this many optimizer steps is judged step by step.
 DEFAULT_CAPACITY = 256
 
@@ -48,8 +50,8 @@ class StepValues:
     """The per-step values of one rank's window (see the module docstring), with their step labels on the host.
 
     The step under way collects its losses in one small vector, and recording its gradients writes that vector into
-    the step's slot with one copy (merged with the slot's other steps, for a step that joins a folded slot): six tiny
-    kernels per step, nine in a folded window, every view made once here.
+    the step's slot with one copy (merged with the slot's other steps, for a step that joins a folded slot): seven tiny
+    kernels per step, eight in a folded window, every view made once here.
 
     Args:
         device: Where the values live (the gradients' device, so recording needs no copy).
@@ -61,10 +63,10 @@ class StepValues:
             raise ValueError(f"`capacity` must be a power of two of at least 2, got {capacity!r}.")
         self.device = torch.device(device)
         self.capacity = capacity
-        # a slot's LOSS holds -inf until a step gives it a loss (so that merging is a plain maximum, negative losses
-        # included); the summary reads it as 0 there
+        # a slot's LOSS and squares hold -inf until a step gives it values (so that merging is a plain maximum,
+        # negative losses included); the summary reads a loss as 0 there
         self.values = torch.zeros(ROWS, capacity, dtype=torch.float64, device=self.device)
-        self.values[LOSS] = -math.inf
+        self.values[_VALUE_ROWS] = -math.inf
         self.labels: list[list[int]] = []  # per used slot, [first step, last step] (host ints)
         self.steps_in_slots: list[int] = []  # per used slot, how many steps it holds (host ints)
         self.steps_per_slot = 1
@@ -75,10 +77,9 @@ class StepValues:
         self._column_values = [column[:INVALID] for column in self._columns]  # every row but INVALID (the last)
         self._column_counts = [column[INVALID] for column in self._columns]
         self._loss_given = False
-        self._value_rows = torch.arange(ROWS, device=self.device) != INVALID
-        # what a step that was not finite leaves of its values in a folded slot: no loss, no squares
-        self._count_only = torch.zeros(ROWS, dtype=torch.float64, device=self.device)
-        self._count_only[LOSS] = -math.inf
+        # what a step left out of the values leaves in its slot: nothing (no loss, no squares, not counted)
+        self._left_out = torch.zeros(ROWS, dtype=torch.float64, device=self.device)
+        self._left_out[_VALUE_ROWS] = -math.inf
 
     def add_loss(self, loss: Tensor | float) -> None:
         """Add a micro-batch's loss to the step under way, the next one :meth:`record_step` records (device-side; a
@@ -94,10 +95,16 @@ class StepValues:
                 self._loss_given = True
             self._step_rows[LOSS].add_(loss)
 
-    def record_step(self, sharded: Tensor | None, replicated: Tensor | None, invalid: Tensor, step: int) -> None:
+    def record_step(self, sharded: Tensor | None, replicated: Tensor | None, invalid: Tensor, step: int,
+                    left_out: Tensor | bool | None = None) -> None:
         """Complete the step under way, labelled ``step``, with its gradients' sums of squares (0-d float64 tensors,
         None where a kind is absent) and whether they were finite (``invalid``, a 0-d bool tensor), and write it into
-        its slot. Its loss is what :meth:`add_loss` gave since the last step."""
+        its slot. Its loss is what :meth:`add_loss` gave since the last step.
+
+        ``left_out`` (a 0-d bool tensor or a bool) leaves the step out of the values: its slot keeps its other steps'
+        values as they are, and a slot of such steps only has none. Every rank must leave out the same steps (a
+        step that was not finite where the gradients are replicated, one a loss scaler skipped): the slot's global
+        value is every rank's. A step that was not finite and not left out makes its whole slot not judged."""
         slot = self._next_slot(step)
         if sharded is not None:
             self._step_rows[SHARDED].copy_(sharded)
@@ -106,12 +113,14 @@ class StepValues:
         self._step_rows[INVALID].copy_(invalid)
         if not self._loss_given:
             self._step_rows[LOSS].fill_(-math.inf)
+        step_values = self._step
+        if isinstance(left_out, Tensor):
+            step_values = torch.where(left_out, self._left_out, self._step)
+        elif left_out:
+            step_values = self._left_out
         if self.steps_per_slot == 1:  # a slot per step: the step as it is
-            self._columns[slot].copy_(self._step)
-        else:  # a folded window: the larger of each value, the counts added (a fresh slot holds no loss, zeros)
-            # a step that was not finite here adds only its count: its values would hide the slot's other steps (a
-            # NaN wins every maximum)
-            step_values = torch.where(self._value_rows & invalid, self._count_only, self._step)
+            self._columns[slot].copy_(step_values)
+        else:  # a folded window: the larger of each value (a NaN wins), the counts added
             values = self._column_values[slot]
             torch.maximum(values, step_values[:INVALID], out=values)
             self._column_counts[slot].add_(step_values[INVALID])
@@ -119,23 +128,21 @@ class StepValues:
         self._loss_given = False
 
     def summary(self) -> Tensor:
-        """This rank's values as ``ROWS * capacity`` float64 words on the device, to be summed over the ranks; slots
-        past :attr:`labels` are zero everywhere, and so is a slot's loss where no step gave one."""
+        """This rank's values as ``ROWS * capacity`` float64 words on the device, to be summed over the ranks; a
+        slot's loss where no step gave one is 0, its squares where every step was left out ``-inf`` (on every rank
+        alike), and the slots past :attr:`labels` hold no values."""
         summary = self.values.clone()
         summary[LOSS] = torch.where(self.values[LOSS_SEEN] > 0, self.values[LOSS], 0.0)
         return summary.reshape(-1)
 
-    def reset(self, *, keep_step_under_way: bool = True) -> None:
-        """Start a fresh window. The losses of a step under way (micro-batches before a boundary) stay for it,
-        unless ``keep_step_under_way`` is False (a rejected window: its step is not the next window's)."""
+    def reset(self) -> None:
+        """Start a fresh window. The losses of a step under way (micro-batches before a boundary) stay for it: the
+        step completes in the new window, whatever the boundary decided."""
         self.values.zero_()
-        self.values[LOSS] = -math.inf
+        self.values[_VALUE_ROWS] = -math.inf
         self.labels.clear()
         self.steps_in_slots.clear()
         self.steps_per_slot = 1
-        if not keep_step_under_way:
-            self._step.zero_()
-            self._loss_given = False
 
     def _next_slot(self, step: int) -> int:
         """The slot of a new step (host arithmetic only), folding the buffer when it is full."""
@@ -151,19 +158,14 @@ class StepValues:
         return len(self.labels) - 1
 
     def _fold(self) -> None:
-        """Each pair of neighbouring slots as one: the larger of each value, the counts added. Before the first fold a
-        slot holds one step, and one that was not finite keeps only its count, as a step joining a folded slot."""
+        """Each pair of neighbouring slots as one: the larger of each value (a NaN wins), the counts added."""
         half = self.capacity // 2
-        values = self.values
-        if self.steps_per_slot == 1:
-            invalid = self._value_rows[:, None] & (values[INVALID] > 0)
-            values = torch.where(invalid, self._count_only[:, None], values)
-        even, odd = values[:, 0::2], values[:, 1::2]
+        even, odd = self.values[:, 0::2], self.values[:, 1::2]
         folded = torch.maximum(even, odd)
         folded[INVALID] = even[INVALID] + odd[INVALID]
         self.values[:, :half] = folded
         self.values[:, half:] = 0
-        self.values[LOSS, half:] = -math.inf
+        self.values[_VALUE_ROWS, half:] = -math.inf
         self.labels = [[self.labels[2 * i][0], self.labels[2 * i + 1][1]] for i in range(half)]
         self.steps_in_slots = [self.steps_in_slots[2 * i] + self.steps_in_slots[2 * i + 1] for i in range(half)]
         self.steps_per_slot *= 2

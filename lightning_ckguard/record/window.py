@@ -81,7 +81,7 @@ class NonFiniteWindow:
         applied. ``layout``: how the gradients' sum of squares adds up over the ranks, for a spike gate.
         """
         self.settle(skipped=False)
-        self._count(self._observe(indices, grads, num_parameters, step, layout), step, skipped)
+        self._count(self._observe(indices, grads, num_parameters, step, layout, skipped), step, skipped)
 
     def record_pending(self, indices: tuple[int, ...], grads: Sequence[Tensor], step: int, num_parameters: int,
                        layout: SquaresLayout = REPLICATED) -> None:
@@ -105,7 +105,7 @@ class NonFiniteWindow:
             self._count(non_finite, step, skipped)
 
     def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int, step: int,
-                 layout: SquaresLayout) -> Tensor:
+                 layout: SquaresLayout, skipped: Tensor | bool | None = None) -> Tensor:
         self.steps_recorded += 1
         self.pending_rejection = False
         if num_parameters > self.parameter_counts.numel():
@@ -114,27 +114,32 @@ class NonFiniteWindow:
             self.parameter_counts = grown
             self._every_index = tuple(range(num_parameters))
         if not grads:
-            self._record_step_values(self._zero, self._false, step, layout)
+            self._record_step_values(self._zero, self._false, step, layout, skipped)
             return self._false
         flags, squares = self._flags_and_squares(grads, self.device, layout.replicas)
         non_finite = flags.any()
-        self._record_step_values(squares, non_finite, step, layout)
+        self._record_step_values(squares, non_finite, step, layout, skipped)
         if indices == self._every_index:  # every parameter in index order (the usual step): no index tensor
             self.parameter_counts.add_(flags)
         else:
             self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
         return non_finite
 
-    def _record_step_values(self, squares: Tensor, non_finite: Tensor, step: int, layout: SquaresLayout) -> None:
+    def _record_step_values(self, squares: Tensor, non_finite: Tensor, step: int, layout: SquaresLayout,
+                            skipped: Tensor | bool | None) -> None:
         """With step values (a spike gate), the step's sum of squares goes there; an empty step's as zero, so that
-        every rank fills the same slots."""
+        every rank fills the same slots. A step every rank knows alike to be out (not finite where the gradients
+        are replicated, skipped by a loss scaler, whose verdict its ranks share) is left out of the values; a step
+        only known later to be skipped (DeepSpeed) is not."""
         if self.step_values is None:
             return
         scale = layout.scale
         if isinstance(scale, Tensor) or scale != 1.0:  # a device tensor is divided out on the device, never read
             squares = squares / (scale * scale)
         sharded = layout.sharded
-        self.step_values.record_step(squares if sharded else None, None if sharded else squares, non_finite, step)
+        left_out = skipped if sharded else non_finite
+        self.step_values.record_step(squares if sharded else None, None if sharded else squares, non_finite, step,
+                                     left_out)
 
     def _count(self, non_finite: Tensor, step: int, skipped: Tensor | bool | None) -> None:
         # a handful of tiny kernels per step; ``first`` is set from ``last`` the first time ``last`` is set
@@ -183,5 +188,5 @@ class NonFiniteWindow:
         self.steps_recorded = 0
         self._pending = None
         self.pending_rejection = pending_rejection
-        if self.step_values is not None:  # a rejected window's step under way is not the next window's
-            self.step_values.reset(keep_step_under_way=not pending_rejection)
+        if self.step_values is not None:
+            self.step_values.reset()

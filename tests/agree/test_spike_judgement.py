@@ -12,7 +12,6 @@ import pickle
 
 import pytest
 import torch
-from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import HOST_READS, CountOps
@@ -157,10 +156,12 @@ def test_a_long_window_is_folded_into_its_slots_keeping_each_slots_largest_value
     # 10 steps in 4 slots: folded twice, 4 steps per slot; the last slot is still filling
     assert values.steps_per_slot == 4 and values.labels == [[0, 3], [4, 7], [8, 9]]
     summary = values.summary().view(rows.ROWS, 4)
-    assert summary[rows.REPLICATED].tolist() == [3.0, 7.0, 9.0, 0.0]
+    assert summary[rows.REPLICATED].tolist() == [3.0, 7.0, 9.0, -math.inf]  # an unused slot holds no values
     assert summary[rows.LOSS].tolist() == [100.0, 96.0, 92.0, 0.0]
     values.reset()
-    assert values.labels == [] and not values.summary().any()
+    summary = values.summary().view(rows.ROWS, 4)
+    assert values.labels == [] and not summary[[rows.LOSS, rows.LOSS_SEEN, rows.INVALID]].any()
+    assert (summary[[rows.SHARDED, rows.REPLICATED]] == -math.inf).all()  # no step gave squares
 
 
 def test_micro_batch_losses_add_up_to_their_step_and_a_boundary_between_them_keeps_them_for_it():
@@ -182,38 +183,38 @@ def test_micro_batch_losses_add_up_to_their_step_and_a_boundary_between_them_kee
     values.add_loss(torch.tensor(5.0))
     values.record_step(None, zero, finite, 9)
     assert values.labels == [[9, 9]] and values.summary()[rows.LOSS * values.capacity] == 9.0
-    values.add_loss(torch.tensor(6.0))
-    values.reset(keep_step_under_way=False)  # a rejected window: its step under way is not the next window's
-    values.record_step(None, zero, finite, 10)
-    assert values.summary()[rows.LOSS_SEEN * values.capacity] == 0.0
 
 
-def test_a_step_that_was_not_finite_hides_no_other_step_of_its_folded_slot():
-    values = StepValues(torch.device("cpu"), capacity=2)
-    nan, not_finite, finite = torch.tensor(math.nan, dtype=torch.float64), torch.tensor(True), torch.tensor(False)
+@pytest.mark.parametrize("capacity", [16, 2], ids=["a-slot-per-step", "folded"])
+def test_a_step_left_out_hides_no_other_step_of_its_slot_and_one_kept_hides_its_slot_whatever_the_fold(capacity):
+    # a step every rank leaves out alike (skipped by a loss scaler; not finite where gradients are replicated) adds
+    # nothing to its slot; a sharded step that was not finite on one rank only, not known as skipped, makes its slot
+    # not judged on every rank, folded or not: the same verdict whatever the window's length
+    nan, huge, one = (torch.tensor(v, dtype=torch.float64) for v in (math.nan, 1e6, 1.0))
+    not_finite, finite = torch.tensor(True), torch.tensor(False)
 
-    def step(number: int, squares: Tensor, invalid: Tensor, loss: float) -> None:
-        values.add_loss(torch.tensor(loss))
-        values.record_step(None, squares.to(torch.float64), invalid, number)
+    def window(rank: int) -> StepValues:
+        values = StepValues(torch.device("cpu"), capacity=capacity)
+        steps = [(one, finite, None), (nan, not_finite, not_finite),  # step 1: skipped by the scaler, on every rank
+                 (huge, finite, None), (nan, not_finite, not_finite),  # step 2: a spike; step 3 skipped beside it
+                 (one, finite, None), (nan if rank == 0 else huge, finite if rank else not_finite, None)]
+        for step, (sharded, invalid, left_out) in enumerate(steps):
+            values.add_loss(torch.tensor(1e3 if step == 2 else 1.0))
+            values.record_step(sharded, None, invalid, step, left_out=left_out)
+        return values
 
-    step(0, torch.tensor(1.0), finite, 1.0)
-    step(1, nan, not_finite, 2.0)  # a step a loss scaler skipped, in a slot of its own until the fold
-    step(2, torch.tensor(1e6), finite, 1e3)  # folds 0-1; a spike
-    step(3, nan, not_finite, 1.0)  # skipped, in the spike's slot
-    assert values.labels == [[0, 1], [2, 3]] and values.steps_in_slots == [2, 2]
-    measures = global_values(values.summary().tolist(), values.capacity, values.labels, 1, values.steps_in_slots)
-    assert measures.values == {"loss": (1.0, 1e3), "grad_norm": (1.0, 1e3)}
-    # a slot whose every step was not finite has no values; one step that was not finite neither
-    step(4, nan, not_finite, 1.0)  # folds again: 0-3 (4 steps, 2 of them not finite) and 4
-    step(5, nan, not_finite, 1.0)
-    assert values.labels == [[0, 3], [4, 5]] and values.steps_in_slots == [4, 2]
-    measures = global_values(values.summary().tolist(), values.capacity, values.labels, 1, values.steps_in_slots)
-    assert measures.values == {"loss": (1e3, None), "grad_norm": (1e3, None)}
-    # over 2 ranks, a slot of 2 steps both not finite on one rank still has the other rank's values
-    words = values.summary().view(rows.ROWS, 2).clone()
-    words[:, 1] += torch.tensor([7.0, 1.0, 49.0, 0.0, 0.0], dtype=torch.float64)  # rank 2's shard of slot 4-5
-    measures = global_values(words.reshape(-1).tolist(), values.capacity, values.labels, 2, values.steps_in_slots)
-    assert measures.values["loss"][1] == 7.0 and measures.values["grad_norm"][1] == 7.0
+    ranks = [window(0), window(1)]
+    summed = (ranks[0].summary() + ranks[1].summary()).tolist()
+    measures = global_values(summed, capacity, ranks[0].labels, 2)
+    by_step = {}
+    for (first, last), loss, norm in zip(measures.labels, measures.values["loss"], measures.values["grad_norm"],
+                                         strict=True):
+        for step in range(first, last + 1):
+            by_step[step] = (loss, norm)
+    assert by_step[2] == (1e3, math.sqrt(2e6)), by_step  # the spike, seen beside the skipped step 3, folded or not
+    assert by_step[5] == (None, None)
+    if capacity == 16:  # a slot per step: a step left out has no values of its own
+        assert by_step[1] == by_step[3] == (None, None) and by_step[0] == (1.0, math.sqrt(2.0))
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["cpu", "one-pass"])

@@ -15,9 +15,11 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
 
 from helpers import QUIET, RecordingLogger
 from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, SpikeGate
+from lightning_ckguard.record import step_values as rows
 
 BAD_BATCH = 20
 GATE = SpikeGate(warmup_steps=8, history=200)
@@ -181,6 +183,52 @@ def test_a_manual_save_that_fails_teaches_the_gate_nothing(tmp_path):
     published = torch.load(tmp_path / "checkpoints" / "step=13.ckpt", weights_only=True)
     history = published["callbacks"][callback.state_key]["spike_history"]
     assert {m: len(v) for m, v in history.items()} == {"loss": 13, "grad_norm": 13}
+
+
+class StepLosses(Callback):
+    """The loss the gate recorded for each step, read before ``FiniteGradCheckpoint``'s boundary (a user's callback
+    runs first), where the window holds that step alone."""
+
+    def __init__(self) -> None:
+        self.recorded: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        callback = next(c for c in trainer.callbacks if isinstance(c, FiniteGradCheckpoint))
+        values = callback._fit.guard.window.step_values
+        self.recorded.append(float(values.summary()[rows.LOSS * values.capacity]))
+
+
+def test_the_loss_under_a_loss_scaler_is_the_one_training_step_returned(tmp_path):
+    # Lightning's fp16 mixed precision multiplies the loss by the scaler's scale before each backward
+    losses = StepLosses()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    _, model, _, _ = fit(tmp_path, batches(40, bad=None), max_steps=6, callbacks=[losses],
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    assert scaler.get_scale() >= 2.0**10
+    assert losses.recorded == pytest.approx(model.losses, rel=1e-6)
+
+
+class WrapSaveAtTrainStart(Callback):
+    """Wraps ``trainer.save_checkpoint`` once the fit runs, over the callback's seal (a profiler or a logger might)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        sealed = trainer.save_checkpoint
+
+        def counted(*args: Any, **kwargs: Any) -> None:
+            self.calls += 1
+            sealed(*args, **kwargs)
+
+        trainer.save_checkpoint = counted
+
+
+def test_a_manual_save_through_a_wrapper_installed_after_the_seal_is_admitted_and_teaches_the_gate(tmp_path):
+    wrapper, save = WrapSaveAtTrainStart(), ManualSave(12, tmp_path / "manual.ckpt")
+    fit(tmp_path, batches(40, bad=None), max_steps=13, callbacks=[wrapper, save])
+    assert wrapper.calls > 1 and save.failure is None and (tmp_path / "manual.ckpt").exists()  # boundaries too
+    assert save.history_after == {"loss": 13, "grad_norm": 13}  # the window the save published, learned
 
 
 def test_a_finite_run_with_the_gate_publishes_what_model_checkpoint_does(tmp_path):
