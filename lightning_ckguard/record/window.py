@@ -60,7 +60,7 @@ class NonFiniteWindow:
         self._flags_and_squares: FlagsAndSquares | FlagsWithoutSquares = (
             FlagsAndSquares(self._check) if step_values is not None and squares
             else FlagsWithoutSquares(self._check, self._zero))
-        self._pending: tuple[Tensor, int] | None = None
+        self._pending: tuple[Tensor, Tensor, int, SquaresLayout] | None = None  # flags, squares, step, layout
         self._every_index: tuple[int, ...] = ()
         # views of the applied-step entries, updated in place by the usual (not skipped) step
         self._applied_count, self._applied_first, self._applied_last = (
@@ -81,16 +81,17 @@ class NonFiniteWindow:
         applied. ``layout``: how the gradients' sum of squares adds up over the ranks, for a spike gate.
         """
         self.settle(skipped=False)
-        self._count(self._observe(indices, grads, num_parameters, step, layout, skipped), step, skipped)
+        self._complete(*self._observe(indices, grads, num_parameters, layout), step, layout, skipped)
 
     def record_pending(self, indices: tuple[int, ...], grads: Sequence[Tensor], step: int, num_parameters: int,
                        layout: SquaresLayout = REPLICATED) -> None:
         """Record a step whose outcome (applied or skipped) is only known after the optimizer ran (DeepSpeed).
 
-        :meth:`settle` completes it; a step still pending at the next record or summary counts as applied.
+        :meth:`settle` completes it; a step still pending at the next record or summary counts as applied. Its step
+        values (a spike gate's) wait for it too, so that a skipped step is left out of them like a loss scaler's.
         """
         self.settle(skipped=False)
-        self._pending = (self._observe(indices, grads, num_parameters, step, layout), step)
+        self._pending = (*self._observe(indices, grads, num_parameters, layout), step, layout)
 
     @property
     def has_pending_step(self) -> bool:
@@ -100,12 +101,19 @@ class NonFiniteWindow:
     def settle(self, skipped: Tensor | bool) -> None:
         """Complete the pending step, if any: ``skipped`` says whether the optimizer skipped it."""
         if self._pending is not None:
-            non_finite, step = self._pending
+            non_finite, squares, step, layout = self._pending
             self._pending = None
-            self._count(non_finite, step, skipped)
+            self._complete(non_finite, squares, step, layout, skipped)
 
-    def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int, step: int,
-                 layout: SquaresLayout, skipped: Tensor | bool | None = None) -> Tensor:
+    def _complete(self, non_finite: Tensor, squares: Tensor, step: int, layout: SquaresLayout,
+                  skipped: Tensor | bool | None) -> None:
+        """A step whose outcome is known: its step values, then its counts."""
+        self._record_step_values(squares, non_finite, step, layout, skipped)
+        self._count(non_finite, step, skipped)
+
+    def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int,
+                 layout: SquaresLayout) -> tuple[Tensor, Tensor]:
+        """Read the step's gradients: whether they were finite, and their sum of squares (with a spike gate)."""
         self.steps_recorded += 1
         self.pending_rejection = False
         if num_parameters > self.parameter_counts.numel():
@@ -113,24 +121,21 @@ class NonFiniteWindow:
             grown[: self.parameter_counts.numel()] = self.parameter_counts
             self.parameter_counts = grown
             self._every_index = tuple(range(num_parameters))
-        if not grads:
-            self._record_step_values(self._zero, self._false, step, layout, skipped)
-            return self._false
+        if not grads:  # an empty step's squares are zero, so that every rank fills the same slots
+            return self._false, self._zero
         flags, squares = self._flags_and_squares(grads, self.device, layout.replicas)
         non_finite = flags.any()
-        self._record_step_values(squares, non_finite, step, layout, skipped)
         if indices == self._every_index:  # every parameter in index order (the usual step): no index tensor
             self.parameter_counts.add_(flags)
         else:
             self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
-        return non_finite
+        return non_finite, squares
 
     def _record_step_values(self, squares: Tensor, non_finite: Tensor, step: int, layout: SquaresLayout,
                             skipped: Tensor | bool | None) -> None:
-        """With step values (a spike gate), the step's sum of squares goes there; an empty step's as zero, so that
-        every rank fills the same slots. A step every rank knows alike to be out (not finite where the gradients
-        are replicated, skipped by a loss scaler, whose verdict its ranks share) is left out of the values; a step
-        only known later to be skipped (DeepSpeed) is not."""
+        """With step values (a spike gate), the step's sum of squares goes there. A step every rank knows alike to be
+        out (not finite where the gradients are replicated, skipped by a loss scaler or by DeepSpeed, whose verdict
+        its ranks share) is left out of the values."""
         if self.step_values is None:
             return
         scale = layout.scale

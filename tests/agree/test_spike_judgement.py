@@ -19,8 +19,9 @@ from lightning_ckguard import GradientGuard, NonFiniteGradientError, Spike, Spik
 from lightning_ckguard.agree.spikes import SpikeHistory, StepMeasures, global_values, judge
 from lightning_ckguard.record import squares
 from lightning_ckguard.record import step_values as rows
-from lightning_ckguard.record.squares import FlagsAndSquares
+from lightning_ckguard.record.squares import FlagsAndSquares, SquaresLayout
 from lightning_ckguard.record.step_values import StepValues
+from lightning_ckguard.record.window import NonFiniteWindow
 
 # ------------------------------------------------------------------ configuration
 
@@ -215,6 +216,22 @@ def test_a_step_left_out_hides_no_other_step_of_its_slot_and_one_kept_hides_its_
     assert by_step[5] == (None, None)
     if capacity == 16:  # a slot per step: a step left out has no values of its own
         assert by_step[1] == by_step[3] == (None, None) and by_step[0] == (1.0, math.sqrt(2.0))
+
+
+@pytest.mark.parametrize("skipped", [True, False], ids=["skipped", "applied"])
+def test_a_step_deepspeed_skipped_is_left_out_once_its_outcome_is_known(skipped):
+    # DeepSpeed tells whether it skipped a step only after it: the step's values wait for the outcome
+    values = StepValues(torch.device("cpu"), capacity=2)
+    window = NonFiniteWindow(torch.device("cpu"), values)
+    sharded = SquaresLayout(sharded=True)
+    for step, grad in enumerate([torch.ones(4), torch.ones(4), torch.full((4,), 500.0), torch.full((4,), math.nan)]):
+        values.add_loss(torch.tensor(1.0))
+        window.record_pending((0,), [grad], step, 1, sharded)
+        window.settle(skipped=skipped and step == 3)  # steps 0-1 and 2-3 share a folded slot
+    measures = global_values(values.summary().tolist(), 2, values.labels, 1)
+    assert values.labels == [[0, 1], [2, 3]]
+    # the spike at step 2 is judged beside a skipped step 3; an applied step that was not finite leaves its slot out
+    assert measures.values["grad_norm"] == ((2.0, 1000.0) if skipped else (2.0, None))
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["cpu", "one-pass"])
