@@ -126,11 +126,13 @@ class GradientGuard:
         self._steps_seen += 1
 
     def _how_squares_add_up(self) -> SquaresLayout:
-        """For a spike gate that watches the gradient norm: whether the gradients just read are this rank's shard, how
-        many ranks hold each, and the loss scale they still carry (DeepSpeed fp16). Without one nothing is asked of
-        the source."""
-        if self.spike_gate is None or "grad_norm" not in self.spike_gate.measures:
+        """For a spike gate: whether the gradients just read are this rank's shard (which steps every rank leaves out
+        of the step values alike depends on it); watching the gradient norm, also how many ranks hold each and the
+        loss scale they still carry (DeepSpeed fp16). Without a gate nothing is asked of the source."""
+        if self.spike_gate is None:
             return REPLICATED
+        if "grad_norm" not in self.spike_gate.measures:
+            return SquaresLayout(sharded=bool(getattr(self.source, "shards_gradients", False)))
         gradient_scale = getattr(self.source, "gradient_scale", None)
         return SquaresLayout(sharded=bool(getattr(self.source, "shards_gradients", False)),
                              scale=gradient_scale() if gradient_scale is not None else 1.0,

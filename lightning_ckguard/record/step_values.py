@@ -105,7 +105,27 @@ class StepValues:
         values as they are, and a slot of such steps only has none. Every rank must leave out the same steps (a
         step that was not finite where the gradients are replicated, one a loss scaler skipped): the slot's global
         value is every rank's. A step that was not finite and not left out makes its whole slot not judged."""
-        slot = self._next_slot(step)
+        self._complete_step(sharded, replicated, invalid)
+        self._place(self._step, step, left_out)
+        self._step.zero_()
+        self._loss_given = False
+
+    def hold_step(self, sharded: Tensor | None, replicated: Tensor | None, invalid: Tensor) -> Tensor:
+        """:meth:`record_step` for a step whose outcome comes later (DeepSpeed tells after the step whether it skipped
+        it): the step under way, completed, taken aside (its losses with it, so that the next step's start afresh);
+        :meth:`place_step` writes it into its slot."""
+        self._complete_step(sharded, replicated, invalid)
+        held = self._step.clone()
+        self._step.zero_()
+        self._loss_given = False
+        return held
+
+    def place_step(self, held: Tensor, step: int, left_out: Tensor | bool | None = None) -> None:
+        """Write a step :meth:`hold_step` took aside into its slot, labelled ``step`` (``left_out``: as in
+        :meth:`record_step`)."""
+        self._place(held, step, left_out)
+
+    def _complete_step(self, sharded: Tensor | None, replicated: Tensor | None, invalid: Tensor) -> None:
         if sharded is not None:
             self._step_rows[SHARDED].copy_(sharded)
         if replicated is not None:
@@ -113,9 +133,11 @@ class StepValues:
         self._step_rows[INVALID].copy_(invalid)
         if not self._loss_given:
             self._step_rows[LOSS].fill_(-math.inf)
-        step_values = self._step
+
+    def _place(self, step_values: Tensor, step: int, left_out: Tensor | bool | None) -> None:
+        slot = self._next_slot(step)
         if isinstance(left_out, Tensor):
-            step_values = torch.where(left_out, self._left_out, self._step)
+            step_values = torch.where(left_out, self._left_out, step_values)
         elif left_out:
             step_values = self._left_out
         if self.steps_per_slot == 1:  # a slot per step: the step as it is
@@ -124,8 +146,6 @@ class StepValues:
             values = self._column_values[slot]
             torch.maximum(values, step_values[:INVALID], out=values)
             self._column_counts[slot].add_(step_values[INVALID])
-        self._step.zero_()
-        self._loss_given = False
 
     def summary(self) -> Tensor:
         """This rank's values as ``ROWS * capacity`` float64 words on the device, to be summed over the ranks; a

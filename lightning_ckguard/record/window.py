@@ -60,7 +60,8 @@ class NonFiniteWindow:
         self._flags_and_squares: FlagsAndSquares | FlagsWithoutSquares = (
             FlagsAndSquares(self._check) if step_values is not None and squares
             else FlagsWithoutSquares(self._check, self._zero))
-        self._pending: tuple[Tensor, Tensor, int, SquaresLayout] | None = None  # flags, squares, step, layout
+        # a step whose outcome is not known yet: whether it was finite, its step values taken aside, its label
+        self._pending: tuple[Tensor, Tensor | None, int, SquaresLayout] | None = None
         self._every_index: tuple[int, ...] = ()
         # views of the applied-step entries, updated in place by the usual (not skipped) step
         self._applied_count, self._applied_first, self._applied_last = (
@@ -81,17 +82,26 @@ class NonFiniteWindow:
         applied. ``layout``: how the gradients' sum of squares adds up over the ranks, for a spike gate.
         """
         self.settle(skipped=False)
-        self._complete(*self._observe(indices, grads, num_parameters, layout), step, layout, skipped)
+        non_finite, squares = self._observe(indices, grads, num_parameters, layout)
+        if self.step_values is not None:
+            self.step_values.record_step(*self._squares_by_kind(squares, layout), non_finite, step,
+                                         self._left_out(non_finite, layout, skipped))
+        self._count(non_finite, step, skipped)
 
     def record_pending(self, indices: tuple[int, ...], grads: Sequence[Tensor], step: int, num_parameters: int,
                        layout: SquaresLayout = REPLICATED) -> None:
         """Record a step whose outcome (applied or skipped) is only known after the optimizer ran (DeepSpeed).
 
         :meth:`settle` completes it; a step still pending at the next record or summary counts as applied. Its step
-        values (a spike gate's) wait for it too, so that a skipped step is left out of them like a loss scaler's.
+        values (a spike gate's) are taken aside now, its losses with them, and placed then, so that a skipped step
+        is left out of them like a loss scaler's.
         """
         self.settle(skipped=False)
-        self._pending = (*self._observe(indices, grads, num_parameters, layout), step, layout)
+        non_finite, squares = self._observe(indices, grads, num_parameters, layout)
+        held = None
+        if self.step_values is not None:
+            held = self.step_values.hold_step(*self._squares_by_kind(squares, layout), non_finite)
+        self._pending = (non_finite, held, step, layout)
 
     @property
     def has_pending_step(self) -> bool:
@@ -101,15 +111,11 @@ class NonFiniteWindow:
     def settle(self, skipped: Tensor | bool) -> None:
         """Complete the pending step, if any: ``skipped`` says whether the optimizer skipped it."""
         if self._pending is not None:
-            non_finite, squares, step, layout = self._pending
+            non_finite, held, step, layout = self._pending
             self._pending = None
-            self._complete(non_finite, squares, step, layout, skipped)
-
-    def _complete(self, non_finite: Tensor, squares: Tensor, step: int, layout: SquaresLayout,
-                  skipped: Tensor | bool | None) -> None:
-        """A step whose outcome is known: its step values, then its counts."""
-        self._record_step_values(squares, non_finite, step, layout, skipped)
-        self._count(non_finite, step, skipped)
+            if self.step_values is not None and held is not None:
+                self.step_values.place_step(held, step, self._left_out(non_finite, layout, skipped))
+            self._count(non_finite, step, skipped)
 
     def _observe(self, indices: tuple[int, ...], grads: Sequence[Tensor], num_parameters: int,
                  layout: SquaresLayout) -> tuple[Tensor, Tensor]:
@@ -131,20 +137,23 @@ class NonFiniteWindow:
             self.parameter_counts.index_add_(0, self._indices(indices), flags.to(torch.int32))
         return non_finite, squares
 
-    def _record_step_values(self, squares: Tensor, non_finite: Tensor, step: int, layout: SquaresLayout,
-                            skipped: Tensor | bool | None) -> None:
-        """With step values (a spike gate), the step's sum of squares goes there. A step every rank knows alike to be
-        out (not finite where the gradients are replicated, skipped by a loss scaler or by DeepSpeed, whose verdict
-        its ranks share) is left out of the values."""
-        if self.step_values is None:
-            return
+    @staticmethod
+    def _squares_by_kind(squares: Tensor, layout: SquaresLayout) -> tuple[Tensor | None, Tensor | None]:
+        """A step's sum of squares for its step values: (sharded, replicated), the loss scale divided out."""
         scale = layout.scale
         if isinstance(scale, Tensor) or scale != 1.0:  # a device tensor is divided out on the device, never read
             squares = squares / (scale * scale)
-        sharded = layout.sharded
-        left_out = skipped if sharded else non_finite
-        self.step_values.record_step(squares if sharded else None, None if sharded else squares, non_finite, step,
-                                     left_out)
+        return (squares, None) if layout.sharded else (None, squares)
+
+    def _left_out(self, non_finite: Tensor, layout: SquaresLayout, skipped: Tensor | bool | None) -> Tensor | bool:
+        """Whether every rank leaves the step out of the step values alike: one a loss scaler or DeepSpeed skipped
+        (its ranks share the verdict), or one not finite where the gradients are replicated (the same everywhere).
+        A sharded step that was not finite on this rank only is not: it leaves its slot unjudged on every rank."""
+        if not layout.sharded:
+            return non_finite
+        if isinstance(skipped, Tensor):
+            return skipped.to(self.device, torch.bool, non_blocking=True)
+        return bool(skipped)
 
     def _count(self, non_finite: Tensor, step: int, skipped: Tensor | bool | None) -> None:
         # a handful of tiny kernels per step; ``first`` is set from ``last`` the first time ``last`` is set

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import HOST_READS, CountOps
 from lightning_ckguard import GradientGuard, NonFiniteGradientError, Spike, SpikeGate
 from lightning_ckguard.agree.spikes import SpikeHistory, StepMeasures, global_values, judge
-from lightning_ckguard.record import squares
+from lightning_ckguard.record import sources, squares
 from lightning_ckguard.record import step_values as rows
 from lightning_ckguard.record.squares import FlagsAndSquares, SquaresLayout
 from lightning_ckguard.record.step_values import StepValues
@@ -232,6 +232,38 @@ def test_a_step_deepspeed_skipped_is_left_out_once_its_outcome_is_known(skipped)
     assert values.labels == [[0, 1], [2, 3]]
     # the spike at step 2 is judged beside a skipped step 3; an applied step that was not finite leaves its slot out
     assert measures.values["grad_norm"] == ((2.0, 1000.0) if skipped else (2.0, None))
+
+
+def test_the_losses_given_while_a_step_awaits_its_outcome_are_the_next_steps():
+    # DeepSpeed: the next step's first backward may come before the outcome of the last one is known
+    values = StepValues(torch.device("cpu"))
+    window = NonFiniteWindow(torch.device("cpu"), values)
+    values.add_loss(torch.tensor(1.0))
+    window.record_pending((0,), [torch.ones(4)], 0, 1, SquaresLayout(sharded=True))
+    values.add_loss(torch.tensor(100.0))  # step 1's
+    window.settle(skipped=False)
+    window.record_pending((0,), [torch.ones(4)], 1, 1, SquaresLayout(sharded=True))
+    values.add_loss(torch.tensor(7.0))  # step 2's, and a reset (a Fabric boundary) before step 1's outcome
+    window.reset()
+    window.record_pending((0,), [torch.ones(4)], 2, 1, SquaresLayout(sharded=True))
+    window.settle(skipped=False)
+    assert global_values(values.summary().tolist(), values.capacity, values.labels, 1).values["loss"] == (7.0,)
+
+
+def test_a_gate_on_the_loss_alone_leaves_out_a_step_the_scaler_skipped_on_every_rank_alike(monkeypatch):
+    # sharded gradients finite on this rank, in a step the loss scaler skipped (an inf on another rank's shard):
+    # every rank leaves it out, whether the gate watches the gradient norm or not; the skip flag may be any 0-d tensor
+    monkeypatch.setattr(sources, "_local_tensor", lambda grad: grad.view_as(grad))  # each grad "a DTensor's shard"
+    model = torch.nn.Linear(3, 1)
+    for measures in (("loss",), ("loss", "grad_norm")):
+        guard = GradientGuard(model, spike_gate=SpikeGate(measures=measures))
+        model.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        guard.record(step=0, skipped=torch.tensor(1), loss=torch.tensor(50.0))
+        guard.record(step=1, skipped=torch.tensor(False), loss=torch.tensor(2.0))
+        values = guard.window.step_values
+        measured = global_values(values.summary().tolist(), values.capacity, values.labels, 1).values
+        assert measured["loss"] == (None, 2.0), measures
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["cpu", "one-pass"])
