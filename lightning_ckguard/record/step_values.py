@@ -68,7 +68,7 @@ class StepValues:
         self.values = torch.zeros(ROWS, capacity, dtype=torch.float64, device=self.device)
         self.values[_VALUE_ROWS] = -math.inf
         self.labels: list[list[int]] = []  # per used slot, [first step, last step] (host ints)
-        self.steps_in_slots: list[int] = []  # per used slot, how many steps it holds (host ints)
+        self._steps_in_last_slot = 0
         self.steps_per_slot = 1
         # the step under way, one value per row; its row views and each slot's column views are made once
         self._step = torch.zeros(ROWS, dtype=torch.float64, device=self.device)
@@ -161,20 +161,18 @@ class StepValues:
         self.values.zero_()
         self.values[_VALUE_ROWS] = -math.inf
         self.labels.clear()
-        self.steps_in_slots.clear()
-        self.steps_per_slot = 1
+        self.steps_per_slot, self._steps_in_last_slot = 1, 0
 
     def _next_slot(self, step: int) -> int:
         """The slot of a new step (host arithmetic only), folding the buffer when it is full."""
-        if self.labels and self.steps_in_slots[-1] < self.steps_per_slot:
+        if self.labels and self._steps_in_last_slot < self.steps_per_slot:
             self.labels[-1][1] = step
-            self.steps_in_slots[-1] += 1
+            self._steps_in_last_slot += 1
             return len(self.labels) - 1
         if len(self.labels) == self.capacity:
             self._fold()
-            return self._next_slot(step)
         self.labels.append([step, step])
-        self.steps_in_slots.append(1)
+        self._steps_in_last_slot = 1
         return len(self.labels) - 1
 
     def _fold(self) -> None:
@@ -187,7 +185,6 @@ class StepValues:
         self.values[:, half:] = 0
         self.values[_VALUE_ROWS, half:] = -math.inf
         self.labels = [[self.labels[2 * i][0], self.labels[2 * i + 1][1]] for i in range(half)]
-        self.steps_in_slots = [self.steps_in_slots[2 * i] + self.steps_in_slots[2 * i + 1] for i in range(half)]
         self.steps_per_slot *= 2
 
 
