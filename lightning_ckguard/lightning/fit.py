@@ -142,9 +142,9 @@ class GuardedFit:
         """Before each backward: with a spike gate, its loss (``training_step``'s, as Lightning scaled it for
         accumulation) joins the step under way, device-side, before the step is recorded and before any boundary.
         Lightning's mixed precision has multiplied it by the loss scale by then: the scale is divided out."""
-        if self.guard is not None:
+        if self.guard is not None and self.guard.spike_gate is not None:
             scaler = getattr(self.trainer.strategy.precision_plugin, "scaler", None)
-            self.guard.record_loss(loss, scale=loss_scale(scaler))  # nothing without a spike gate
+            self.guard.record_loss(loss, scale=loss_scale(scaler))
 
     def end_batch(self) -> None:
         """At a train batch end, before its boundary: settle a step whose skip outcome the source knows only now

@@ -151,16 +151,18 @@ class NonFiniteWindow:
         A sharded step that was not finite on this rank only is not: it leaves its slot unjudged on every rank."""
         if not layout.sharded:
             return non_finite
-        if isinstance(skipped, Tensor):
-            return skipped.to(self.device, torch.bool, non_blocking=True)
-        return bool(skipped)
+        return self._skip_flag(skipped) if isinstance(skipped, Tensor) else bool(skipped)
+
+    def _skip_flag(self, skipped: Tensor | bool) -> Tensor:
+        """A skip flag (True, or a 0-d tensor of any dtype on any device) as a bool tensor on the window's device."""
+        return skipped.to(self.device, torch.bool, non_blocking=True) if isinstance(skipped, Tensor) else self._true
 
     def _count(self, non_finite: Tensor, step: int, skipped: Tensor | bool | None) -> None:
         # a handful of tiny kernels per step; ``first`` is set from ``last`` the first time ``last`` is set
         if skipped is None or skipped is False:  # the usual step: only the applied-step counters can change
             counts, first, last, events = self._applied_count, self._applied_first, self._applied_last, non_finite
         else:
-            skip = self._true if skipped is True else skipped.to(self.device, torch.bool, non_blocking=True)
+            skip = self._skip_flag(skipped)
             counts, first, last = self.step_counts, self.first_steps, self.last_steps
             events = torch.stack([non_finite & ~skip, skip])
         counts.add_(events)
