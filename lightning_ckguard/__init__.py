@@ -5,6 +5,7 @@ Public API:
 - :class:`FiniteGradCheckpoint`: drop-in ``ModelCheckpoint`` that agrees across ranks before any write.
 - :class:`NonFiniteGradientError`: raised on every rank when a boundary is rejected.
 - :class:`CheckpointWriteError`: raised on the other ranks when one rank failed to write an accepted checkpoint.
+- :class:`CheckpointRestoreError`: raised on every rank when :func:`restore_fabric_state` failed on some rank.
 - :class:`BoundaryReport`: what the last boundary decided, readable (``FiniteGradCheckpoint.last_report``).
 - :class:`GradientGuard` and :class:`Verdict`: the recording and agreement core, usable without a Trainer.
 - :class:`CheckpointPublisher`: the callback's publication guarantees (agree, stage, write, agree on the write, one
@@ -23,7 +24,13 @@ from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.agree.spikes import SpikeGate
 from lightning_ckguard.core.publisher import CheckpointPublisher
-from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError, Spike
+from lightning_ckguard.errors import (
+    CheckpointRestoreError,
+    CheckpointWriteError,
+    NonFiniteGradientError,
+    RewindRefusedError,
+    Spike,
+)
 from lightning_ckguard.lightning.callback import FiniteGradCheckpoint
 from lightning_ckguard.record.skips import scaler_skip_flag
 from lightning_ckguard.record.sources import GradientSource, ParameterGradients
@@ -34,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BoundaryReport",
     "CheckpointPublisher",
+    "CheckpointRestoreError",
     "CheckpointWriteError",
     "FiniteGradCheckpoint",
     "GradientGuard",

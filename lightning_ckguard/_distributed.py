@@ -47,6 +47,14 @@ def require_collective(collective: Any) -> None:
     )
 
 
+def default_collective(collective: Any) -> Any:
+    """``collective``, or for ``None`` the default process group when ``torch.distributed`` is initialized with peers:
+    a rank that asked for no collective while it has peers would decide alone."""
+    if collective is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return collective
+
+
 def rank_and_world(collective: Any) -> tuple[int, int]:
     """``(this rank, world size)`` of ``collective``: a strategy, a process group's collectives, a
     ``torch.distributed`` process group, or ``None`` (a single process)."""

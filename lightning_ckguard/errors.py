@@ -289,7 +289,49 @@ class CheckpointWriteError(_ComparedByValue, RuntimeError):
 
     Attributes:
         ranks: Ranks whose write failed.
-        filepath: The checkpoint being written.
+        filepath: The checkpoint being written (or removed).
+        cause: The first failing rank's error, as text.
+        removal: Rank 0 failed to remove ``filepath``, a checkpoint evicted from the top K after its boundary was
+            published: the ledger stands, and the file stays on disk.
+    """
+
+    def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None, removal: bool = False) -> None:
+        self.ranks: tuple[int, ...] = tuple(ranks)
+        self.filepath = filepath
+        self.cause = cause
+        self.removal = removal
+        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
+        what, outcome = ("Removing", "The checkpoints written before it were published; it stays on disk.") if (
+            removal) else ("Writing", "Nothing was published for it on any rank.")
+        super().__init__(
+            f"{what} the checkpoint {filepath} failed on {rank_word} {', '.join(map(str, self.ranks))}: {cause}. "
+            + outcome
+        )
+
+    def _key(self) -> tuple[tuple[int, ...], str, str | None, bool]:
+        return (self.ranks, self.filepath, self.cause, self.removal)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_write_error, self._key())
+
+
+def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None,
+                         removal: bool = False) -> CheckpointWriteError:
+    return CheckpointWriteError(ranks=ranks, filepath=filepath, cause=cause, removal=removal)
+
+
+
+class CheckpointRestoreError(_ComparedByValue, RuntimeError):
+    """Raised on every rank, with the same fields, when restoring a checkpoint in place
+    (:func:`~lightning_ckguard.restore_fabric_state`) failed on some rank; on a failing rank it is raised from that
+    rank's own error.
+
+    The ranks whose load succeeded hold the checkpoint's state and the others do not, so training must not go on as
+    it is: restore again on every rank, or stop.
+
+    Attributes:
+        ranks: Ranks whose load failed.
+        filepath: The checkpoint being restored.
         cause: The first failing rank's error, as text.
     """
 
@@ -299,22 +341,23 @@ class CheckpointWriteError(_ComparedByValue, RuntimeError):
         self.cause = cause
         rank_word = "rank" if len(self.ranks) == 1 else "ranks"
         super().__init__(
-            f"Writing the checkpoint {filepath} failed on {rank_word} {', '.join(map(str, self.ranks))}: {cause}. "
-            "Nothing was published for it on any rank."
+            f"Restoring the checkpoint {filepath} failed on {rank_word} {', '.join(map(str, self.ranks))}: {cause}. "
+            "The other ranks restored it, so the ranks no longer hold the same state: restore again on every rank, "
+            "or stop."
         )
 
     def _key(self) -> tuple[tuple[int, ...], str, str | None]:
         return (self.ranks, self.filepath, self.cause)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_write_error, self._key())
+        return (_rebuild_restore_error, self._key())
 
 
-def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None) -> CheckpointWriteError:
-    return CheckpointWriteError(ranks=ranks, filepath=filepath, cause=cause)
+def _rebuild_restore_error(ranks: Sequence[int], filepath: str, cause: str | None) -> CheckpointRestoreError:
+    return CheckpointRestoreError(ranks=ranks, filepath=filepath, cause=cause)
 
 
 __all__ = [
-    "MEASURES", "CheckpointWriteError", "NonFiniteGradientError", "RewindRefusedError", "Spike", "describe_spikes",
-    "rejection_text",
+    "MEASURES", "CheckpointRestoreError", "CheckpointWriteError", "NonFiniteGradientError", "RewindRefusedError",
+    "Spike", "describe_spikes", "rejection_text",
 ]

@@ -14,8 +14,11 @@ callback. This module combines the one implementation
 The errors and the Trainer-free core are the very same objects as in ``lightning_ckguard``.
 """
 
+import logging
+
 import pytorch_lightning as pl
 from lightning_fabric.plugins.io import TorchCheckpointIO
+from lightning_utilities.core import rank_zero as _rank_zero
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
@@ -23,10 +26,21 @@ from lightning_ckguard.agree.agreement import RankReport, Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.agree.spikes import SpikeGate
-from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, RewindRefusedError, Spike
+from lightning_ckguard.errors import (
+    CheckpointRestoreError,
+    CheckpointWriteError,
+    NonFiniteGradientError,
+    RewindRefusedError,
+    Spike,
+)
 from lightning_ckguard.lightning.callback import GuardedCheckpoint
 from lightning_ckguard.lightning.fit import link_in_boundary
 from lightning_ckguard.lightning.packages import LightningPackage
+
+# Each Lightning package points the rank-zero logger at its own when imported. `lightning_ckguard` imports
+# `lightning.pytorch`, which took it over from `pytorch_lightning` if that was imported first: give it back, so that a
+# `pytorch_lightning` user's logging setup (levels, handlers) still applies to its lines, ModelCheckpoint's included.
+_rank_zero.log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
 
 
 class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):  # type: ignore[misc]  # two copies of one API
@@ -40,6 +54,7 @@ class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):  # type: ignore[
 
 __all__ = [
     "BoundaryReport",
+    "CheckpointRestoreError",
     "CheckpointWriteError",
     "FiniteGradCheckpoint",
     "GradientGuard",

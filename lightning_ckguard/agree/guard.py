@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_ckguard._distributed import all_reduce_values, rank_and_world, require_collective
+from lightning_ckguard._distributed import all_reduce_values, default_collective, rank_and_world, require_collective
 from lightning_ckguard.agree.agreement import (
     TALLY_SIZE,
     RankReport,
@@ -73,14 +73,13 @@ class GradientGuard:
         device: torch.device | None = None,
         spike_gate: SpikeGate | None = None,
     ) -> None:
+        _check_arguments(module, count_skipped_steps, source, spike_gate)
         module = unwrap_module(module) if module is not None else nn.Module()
         if device is None:
             first = next(module.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
         self.count_skipped_steps = count_skipped_steps
         self.source: GradientSource = source if source is not None else ParameterGradients(module)
-        if spike_gate is not None and not isinstance(spike_gate, SpikeGate):
-            raise ValueError(f"`spike_gate` must be a `SpikeGate` or None, got {spike_gate!r}.")
         self.spike_gate = spike_gate
         self._spike_history = SpikeHistory(spike_gate) if spike_gate is not None else None
         self._accepted_window: StepMeasures | None = None  # learned by the next reset, once published
@@ -157,8 +156,9 @@ class GradientGuard:
         """Join the one agreement collective and return the verdict, which is the same on every rank.
 
         Every rank of ``collective`` must call this at the same point. ``collective`` is a Lightning/Fabric
-        strategy, a ``torch.distributed`` process group, or ``None`` for a single process. Agreeing does not reset
-        the window: call :meth:`reset` once the checkpoint is published.
+        strategy, a ``torch.distributed`` process group, or ``None``: a single process, or the default process group
+        when ``torch.distributed`` is initialized with peers (so no rank decides alone). Agreeing does not reset the
+        window: call :meth:`reset` once the checkpoint is published.
 
         ``state`` is what this rank is about to write (what ``fabric.save`` gets: a dict of modules, optimizers and
         tensors, or a ``CheckpointState`` (``lightning_ckguard.record.state_sources``)). Each of its local tensors is
@@ -180,6 +180,7 @@ class GradientGuard:
         the reports of the ranks it names (:class:`~lightning_ckguard.agree.agreement.Verdict`). A spike gate adds
         one more, of a fixed size, before them: the sum of every rank's step values."""
         require_collective(collective)
+        collective = default_collective(collective)
         state_tensors = named_state(state, constants=self._constant_buffers) if state is not None else None
         window = self.window.summary()
         device = window.device
@@ -222,7 +223,8 @@ class GradientGuard:
         return names
 
     def reset(self, *, pending_rejection: bool = False) -> None:
-        """Start a fresh window. ``pending_rejection=True`` keeps rejecting until a new step is recorded.
+        """Start a fresh window. ``pending_rejection=True`` keeps rejecting until a step is applied (one a loss scaler
+        skipped is not).
 
         Call it once the checkpoint of an accepted agreement is published: a spike gate then learns that window's
         values. A window whose agreement rejected (rewound or skipped) teaches it nothing."""
@@ -261,3 +263,16 @@ class GradientGuard:
     def steps_recorded(self) -> int:
         """Optimizer steps recorded in the current window."""
         return self.window.steps_recorded
+
+
+def _check_arguments(module: Any, count_skipped_steps: Any, source: Any, spike_gate: Any) -> None:
+    """A ``ValueError`` that names the argument, at construction, rather than a wrong verdict later."""
+    if module is not None and not isinstance(module, nn.Module):
+        raise ValueError(f"`module` must be a torch.nn.Module or None, got {type(module).__name__}.")
+    if not isinstance(count_skipped_steps, bool):
+        raise ValueError(f"`count_skipped_steps` must be a bool, got {count_skipped_steps!r}.")
+    if source is not None and not all(hasattr(source, name) for name in ("local_gradients", "parameter_names")):
+        raise ValueError(f"`source` must be a GradientSource (local_gradients, parameter_names) or None, got "
+                         f"{type(source).__name__}.")
+    if spike_gate is not None and not isinstance(spike_gate, SpikeGate):
+        raise ValueError(f"`spike_gate` must be a `SpikeGate` or None, got {spike_gate!r}.")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 
-from lightning_ckguard._distributed import is_rank_zero
+from lightning_ckguard._distributed import is_rank_zero, require_collective
 from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.durability import durability
@@ -100,6 +100,7 @@ class CheckpointPublisher:
             raise ValueError(f"`guard` must be a GradientGuard or None, got {type(guard).__name__}.")
         if not isinstance(durable, bool):
             raise ValueError(f"`durable` must be a bool, got {durable!r} ({type(durable).__name__}).")
+        require_collective(collective)  # anything else would publish as a single process on every rank
         if collective is None and dist.is_available() and dist.is_initialized():
             collective = ProcessGroupCollectives()
         elif isinstance(collective, dist.ProcessGroup):
@@ -114,10 +115,20 @@ class CheckpointPublisher:
         # the same writers as the callback's: staged and renamed on local disk, direct where one upload is atomic
         self._writer = (StagedWriter(collective, storage, durability(durable)) if storage.stages_writes
                         else DirectWriter(collective))
-        if self.is_global_zero:
-            storage.fs.makedirs(self.dirpath, exist_ok=True)
-        # rank 0 recovers what a crash left; no rank writes before that (the one collective here)
-        storage.prepare(collective, self.dirpath, lambda: None, lambda message: warnings.warn(message, stacklevel=3))
+        made = self._make_dirpath(storage.fs)
+        # rank 0 recovers what a crash left; no rank writes before that (the one collective here, which also tells
+        # every rank of a failure of rank 0's, so that none raises alone)
+        storage.prepare(collective, self.dirpath, lambda: made, lambda message: warnings.warn(message, stacklevel=3))
+
+    def _make_dirpath(self, fs: Any) -> Exception | None:
+        """Rank 0 creates ``dirpath``; its failure is returned, for every rank to raise in the agreement after it."""
+        if not self.is_global_zero:
+            return None
+        try:
+            fs.makedirs(self.dirpath, exist_ok=True)
+        except Exception as error:
+            return error
+        return None
 
     @property
     def is_global_zero(self) -> bool:

@@ -222,11 +222,11 @@ class GuardedCheckpoint(_CheckpointBase):
             fit.finish(during_exception=True)
 
     def admit_save(self, trainer: pl.Trainer, filepath: str) -> bool:
-        """Gate for every checkpoint write of the Trainer (see ``PublicationSeal``): our own accepted boundary passes;
-        any other write agrees first, and a rejection applies ``on_non_finite`` in a running fit and raises outside
-        one. After a rejection every later write is refused (a warning in a fit or an exception, else raised)."""
-        if own_transaction(self) is not None:
-            return True  # our own boundary's write: its agreement was the first file operation
+        """Gate for every checkpoint write of the Trainer (see ``PublicationSeal``): every write agrees first, and a
+        rejection applies ``on_non_finite`` in a fit, else raises; after one every later write is refused."""
+        if (transaction := own_transaction(self)) is not None:  # our boundary's write (a subclass's own too)
+            transaction.admit()  # agreed first: a no-op after the boundary's first file operation
+            return True
         if self._fit is None or self._fit.trainer is not trainer:
             # a Trainer this callback has since left: it records nothing for it any more, but a rejection stands
             if self._decisions.rejection is not None:
@@ -253,7 +253,7 @@ class GuardedCheckpoint(_CheckpointBase):
         fit.save(filepath)
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        self._fit_for(trainer).remove(filepath, in_boundary=own_transaction(self) is not None)
+        self._fit_for(trainer).remove(filepath, own_transaction(self))
 
     def _remove_for_real(self, trainer: pl.Trainer, filepath: str) -> None:
         """``ModelCheckpoint``'s own removal."""
@@ -269,8 +269,8 @@ class GuardedCheckpoint(_CheckpointBase):
 
     def check_monitor_top_k(self, trainer: pl.Trainer, current: Tensor | None = None) -> bool:
         """Whether ``current`` enters the top K: the vote every rank took with the candidates, when there is one."""
-        vote = self._fit.vote if self._fit is not None else None
-        if vote is None or current is None:
+        vote = self._fit.vote_on(current) if self._fit is not None else None
+        if vote is None:  # none taken, or on another value (a subclass ranks one of its own): ModelCheckpoint's
             return super().check_monitor_top_k(trainer, current)
         return vote.improves
 

@@ -84,6 +84,7 @@ class GuardedFit:
         self.decisions: Decisions = checkpoint._decisions
         self.guard: GradientGuard | None = None
         self.vote: TopKVote | None = None  # this boundary's top-K vote, when it took one
+        self._voted_on: Any = None  # the monitored value it was taken on
         self._collected: tuple[Verdict, Sequence[int]] | None = None  # agreed with the vote, not yet applied
 
     @property
@@ -163,7 +164,7 @@ class GuardedFit:
             outcome = run_boundary(self.checkpoint, hook, agree=lambda: self._agree_at_boundary(name),
                                    writer=self.writer, remove=self.evict)
         finally:
-            self.vote, self._collected = None, None  # this boundary's: the next one takes its own
+            self.vote, self._voted_on, self._collected = None, None, None  # the next boundary takes its own
         if outcome == "rejected":
             self._reject(during_exception)
         elif outcome == "published":
@@ -187,6 +188,7 @@ class GuardedFit:
             self.vote = vote_of(carried[:len(vote)], self.trainer.world_size)
         else:
             self.vote = agree_on_top_k(self.trainer.strategy, present=current is not None, improves=improves)
+        self._voted_on = current
         missing = self.vote.missing_ranks
         if missing and not self.vote.missing_everywhere:
             _warnings.warn(
@@ -195,6 +197,11 @@ class GuardedFit:
                 f"treats it as missing. HINT: log it on every rank (not with `rank_zero_only=True`)."
             )
         return self.vote
+
+    def vote_on(self, current: Any) -> TopKVote | None:
+        """The top-K vote, if one was taken on ``current`` itself: a subclass's ``_monitor_candidates`` may rank
+        another value than the one every rank voted on (a key it derives or rescales after ``super()``)."""
+        return self.vote if current is not None and current is self._voted_on else None
 
     def save(self, filepath: str) -> None:
         """``ModelCheckpoint._save_checkpoint`` inside an accepted boundary, through the fit's writer."""
@@ -206,10 +213,11 @@ class GuardedFit:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(checkpoint))
 
-    def remove(self, path: str, in_boundary: bool) -> None:
-        """``ModelCheckpoint``'s removal of ``path``: in a boundary once every write of the boundary succeeded, else
-        now."""
-        if in_boundary:
+    def remove(self, path: str, transaction: BoundaryTransaction | None) -> None:
+        """``ModelCheckpoint``'s removal of ``path``: in a boundary (its ``transaction``) once every write of the
+        boundary succeeded, and never before the agreement (a subclass may remove before it writes), else now."""
+        if transaction is not None:
+            transaction.admit()
             self.writer.remove(path, self.evict)
         else:
             self.evict(path)

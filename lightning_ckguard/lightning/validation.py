@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from datetime import timedelta
+from numbers import Integral  # numpy's integers too, as ModelCheckpoint takes them
 from typing import Any
 
 from lightning_ckguard.agree.spikes import SpikeGate
@@ -19,7 +20,7 @@ def _describe(value: Any) -> str:
 def _check_type(name: str, value: Any, expected: tuple[type, ...], description: str, optional: bool = False) -> None:
     if optional and value is None:
         return
-    # bool is an int subclass; an int argument given True/False is almost certainly a mistake
+    # bool is an integer; an int argument given True/False is almost certainly a mistake
     if bool not in expected and isinstance(value, bool):
         raise ValueError(f"`{name}` must be {description}, got {_describe(value)}.")
     if not isinstance(value, expected):
@@ -47,9 +48,9 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
     save_last = arguments["save_last"]
     if not (save_last is None or isinstance(save_last, bool) or save_last == "link"):
         raise ValueError(f"`save_last` must be None, True, False or 'link', got {_describe(save_last)}.")
-    _check_type("save_top_k", arguments["save_top_k"], (int,), "an int")
+    _check_type("save_top_k", arguments["save_top_k"], (Integral,), "an int")
     for count in ("every_n_train_steps", "every_n_epochs"):
-        _check_type(count, arguments[count], (int,), "an int or None", True)
+        _check_type(count, arguments[count], (Integral,), "an int or None", True)
     _check_type("train_time_interval", arguments["train_time_interval"], (timedelta,), "a datetime.timedelta or None",
                 True)
     _check_type("spike_gate", arguments["spike_gate"], (SpikeGate,), "a lightning_ckguard.SpikeGate or None", True)
@@ -63,7 +64,7 @@ def _check_rewind_arguments(arguments: dict[str, Any]) -> None:
             f"`max_rewinds` is only used with `on_non_finite='rewind'`, but `on_non_finite={policy!r}`: "
             "drop `max_rewinds` or choose the 'rewind' policy."
         )
-    _check_type("max_rewinds", max_rewinds, (int,), "an int >= 0 or None", True)
+    _check_type("max_rewinds", max_rewinds, (Integral,), "an int >= 0 or None", True)
     if max_rewinds is not None and max_rewinds < 0:
         raise ValueError(f"`max_rewinds` must be an int >= 0 or None, got {_describe(max_rewinds)}.")
     if policy == "rewind" and arguments["save_weights_only"] is True:

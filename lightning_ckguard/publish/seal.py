@@ -232,12 +232,13 @@ def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> N
         raise error
 
 
-def write_error(found: Failures, own: BaseException | None, filepath: str) -> BaseException | None:
+def write_error(found: Failures, own: BaseException | None, filepath: str,
+                removal: bool = False) -> BaseException | None:
     """What this rank raises once every rank learned which ranks' write of ``filepath`` failed (``found``): its
-    ``own`` error if it failed, else a :class:`CheckpointWriteError` naming the first failing rank and its error, or
-    None when nothing failed."""
+    ``own`` error if it failed, else a :class:`CheckpointWriteError` naming the first failing rank and its error (of a
+    ``removal``: an eviction), or None when nothing failed."""
     if own is not None:
         return own
     if not found.ranks:
         return None
-    return CheckpointWriteError(ranks=list(found.ranks), filepath=filepath, cause=found.cause)
+    return CheckpointWriteError(ranks=list(found.ranks), filepath=filepath, cause=found.cause, removal=removal)

@@ -36,7 +36,7 @@ import platform
 import shutil
 import sys
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -200,17 +200,33 @@ def release_retired(filepath: str) -> None:
 
 
 def release_all_retired(dirpath: str) -> list[str]:
-    """At the end of a fit (rank 0 only, nothing being written): remove every retired copy in ``dirpath`` whose
-    checkpoint is published, so the directory holds what ``ModelCheckpoint`` leaves. Returns the paths removed."""
-    if not os.path.isdir(dirpath):
-        return []
+    """At the end of a fit (rank 0 only, nothing being written): remove every retired copy under ``dirpath``
+    (subdirectories included) whose checkpoint is published, so the directory holds what ``ModelCheckpoint`` leaves.
+    Returns the paths removed."""
     removed = []
-    for name in sorted(os.listdir(dirpath)):
+    for directory, name in _hidden_entries(dirpath):
         checkpoint = _hidden_for(name, RETIRED_SUFFIX)
-        if checkpoint is not None and os.path.lexists(os.path.join(dirpath, checkpoint)):
-            _remove(os.path.join(dirpath, name))
-            removed.append(os.path.join(dirpath, name))
+        if checkpoint is not None and os.path.lexists(os.path.join(directory, checkpoint)):
+            _remove(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
     return removed
+
+
+def _is_hidden_entry(name: str) -> bool:
+    return any(_hidden_for(name, suffix) is not None for suffix in (STAGING_SUFFIX, RETIRED_SUFFIX))
+
+
+def _hidden_entries(dirpath: str) -> Iterator[tuple[str, str]]:
+    """``(directory, name)`` of every staging or retired entry under ``dirpath``, a directory's in name order.
+
+    A ``filename`` with a ``/`` puts checkpoints, and so their hidden siblings, in subdirectories of ``dirpath``, so
+    the whole tree is walked (nothing but directory listings: a checkpoint is never opened). Hidden entries are
+    resolved whole, never entered; symbolic links are not followed (what they point to is not this fit's); a
+    directory that vanishes meanwhile (another rank resolved it) is skipped. Lazy: a directory's entries are resolved
+    before the walk lists its subdirectories' contents."""
+    for directory, subdirectories, files in os.walk(dirpath):
+        yield from ((directory, name) for name in sorted(filter(_is_hidden_entry, [*subdirectories, *files])))
+        subdirectories[:] = [name for name in subdirectories if not _is_hidden_entry(name)]
 
 
 def make_link(target: str, linkpath: str) -> None:
@@ -253,7 +269,8 @@ def checkpoint_is_complete(path: str) -> bool:
 
 
 def recover(dirpath: str) -> list[str]:
-    """Resolve what an interrupted publication left in ``dirpath``; return one line per action, for a warning.
+    """Resolve what an interrupted publication left under ``dirpath`` (subdirectories included); return one line per
+    action, for a warning.
 
     A staging entry was never published, or holds the checkpoint an exchange replaced: it is removed. A retired
     checkpoint whose replacement never arrived is restored under its name; one whose replacement did arrive is
@@ -262,18 +279,16 @@ def recover(dirpath: str) -> list[str]:
     Safe to run on several ranks at once on a shared filesystem while nothing is being written (before training
     starts): an entry another rank already resolved is skipped, so every rank ends up seeing the same directory.
     """
-    if not os.path.isdir(dirpath):
-        return []
     actions: list[str] = []
-    for name in sorted(os.listdir(dirpath)):
-        path = os.path.join(dirpath, name)
+    for directory, name in _hidden_entries(dirpath):
+        path = os.path.join(directory, name)
         retired_from = _hidden_for(name, RETIRED_SUFFIX)
         try:
             if _hidden_for(name, STAGING_SUFFIX) is not None:
                 _remove(path)
                 actions.append(f"removed the unpublished partial checkpoint {path}")
             elif retired_from is not None:
-                original = os.path.join(dirpath, retired_from)
+                original = os.path.join(directory, retired_from)
                 if os.path.lexists(original):
                     _remove(path)
                     actions.append(f"removed {path}, replaced by {original}")

@@ -74,10 +74,14 @@ class LocalStorage:
         if dirpath is None:
             barrier(strategy, "FiniteGradCheckpoint.recover")
             return
+        failure: Exception | None = None
         if is_rank_zero(strategy):
-            for action in recover(dirpath):
-                warn(f"FiniteGradCheckpoint {action}.")
-        agree_on_write(strategy, writable_error(), dirpath)
+            try:
+                for action in recover(dirpath):
+                    warn(f"FiniteGradCheckpoint {action}.")
+            except Exception as error:  # raised on every rank by the agreement below, not on rank 0 alone
+                failure = error
+        agree_on_write(strategy, failure or writable_error(), dirpath)
 
     def release_retired(self, path: str) -> None:
         """Remove the copy of ``path`` that replacing it kept for readers (rank 0)."""

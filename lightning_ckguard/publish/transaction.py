@@ -5,9 +5,11 @@ The hook runs exactly once per boundary, so each of its clock reads, collectives
 :class:`BoundaryTransaction` that :func:`run_boundary` opened:
 
 1. The ledger is captured and rank-zero log lines are held back before the hook starts.
-2. The hook's first file operation (a save or a link) is where every rank agrees: ``ModelCheckpoint``'s own
+2. The hook's first file operation (a save, a link or a removal) is where every rank agrees: ``ModelCheckpoint``'s own
    decisions before it are already rank-agreed (broadcast time checks, ``file_exists`` votes, the top-K vote), so every
-   rank reaches it together. A hook that makes no file operation needs no agreement and keeps its bookkeeping.
+   rank reaches it together. A hook that makes no file operation needs no agreement and keeps its bookkeeping. Once
+   accepted, the held lines are emitted and the hold is lifted, so that they come before what the writes log, as
+   with ``ModelCheckpoint``.
 3. A rejection raises :class:`BoundaryRejected` there, which unwinds the hook before anything is collected or written;
    the captured ledger is restored and the held lines are dropped. Nothing else changed.
 4. On acceptance the fit's writer is opened for the boundary, and every write happens through it as the hook asks (the
@@ -19,8 +21,7 @@ The hook runs exactly once per boundary, so each of its clock reads, collectives
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, Literal, Protocol
 
@@ -56,11 +57,13 @@ class BoundaryTransaction:
         writer: The fit's writer, opened for this boundary once it is accepted.
     """
 
-    def __init__(self, checkpoint: Any, before: Ledger, agree: Callable[[], bool], writer: BoundaryWriter) -> None:
+    def __init__(self, checkpoint: Any, before: Ledger, agree: Callable[[], bool], writer: BoundaryWriter,
+                 held_lines: _HeldLines | None = None) -> None:
         self.checkpoint = checkpoint
         self.before = before
         self._agree = agree
         self._writer = writer
+        self._held_lines = held_lines if held_lines is not None else _HeldLines()
         self.accepted: bool | None = None  # None until the first file operation
         self.created: list[str] = []
 
@@ -69,6 +72,7 @@ class BoundaryTransaction:
         if self.accepted is None:
             self.accepted = self._agree()
             if self.accepted:
+                self._held_lines.release()  # what ModelCheckpoint said before its first write, said before it
                 self._writer.open(self.before)
         if not self.accepted:
             raise BoundaryRejected
@@ -92,31 +96,34 @@ def active_transaction() -> BoundaryTransaction | None:
     return _active.get()
 
 
-class _HoldRecords(logging.Filter):
+class _HeldLines(logging.Filter):
+    """Holds back what ``rank_zero_info`` logs (``ModelCheckpoint``'s verbose lines) while it is installed, until
+    :meth:`release` emits them or :meth:`drop` forgets them; both lift the hold."""
+
     def __init__(self) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
+        self._logger: logging.Logger | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
         self.records.append(record)
         return False
 
+    def hold(self) -> None:
+        self._logger = _rank_zero.log
+        self._logger.addFilter(self)
 
-@contextmanager
-def _held_rank_zero_logs() -> Iterator[list[logging.LogRecord]]:
-    """Hold back what ``rank_zero_info`` logs (``ModelCheckpoint``'s verbose lines) instead of emitting it."""
-    logger = _rank_zero.log
-    hold = _HoldRecords()
-    logger.addFilter(hold)
-    try:
-        yield hold.records
-    finally:
-        logger.removeFilter(hold)
+    def drop(self) -> None:
+        if self._logger is not None:
+            self._logger.removeFilter(self)
+            self._logger = None
+        self.records = []
 
-
-def _emit(records: list[logging.LogRecord]) -> None:
-    for record in records:
-        logging.getLogger(record.name).handle(record)
+    def release(self) -> None:
+        records = self.records
+        self.drop()  # the hold is lifted first: emitted under it, each line would be held again
+        for record in records:
+            logging.getLogger(record.name).handle(record)
 
 
 def run_boundary(
@@ -129,27 +136,27 @@ def run_boundary(
     when the hook returns; ``remove`` deletes a checkpoint for real (what a failed boundary created). Returns what the
     boundary did; a failed write raises after rolling back.
     """
-    transaction = BoundaryTransaction(checkpoint, Ledger.capture(checkpoint), agree, writer)
+    held_lines = _HeldLines()
+    transaction = BoundaryTransaction(checkpoint, Ledger.capture(checkpoint), agree, writer, held_lines)
     token = _active.set(transaction)
-    held: list[logging.LogRecord] = []
-    # the held lines are emitted only once the hold is lifted: emitted under it, each would be held again
+    held_lines.hold()
     try:
-        with _held_rank_zero_logs() as held:
-            run_hook()
+        run_hook()
     except BoundaryRejected:
+        held_lines.drop()  # the held lines described what was not done
         transaction.before.apply_to(checkpoint)
-        return "rejected"  # the held lines described what was not done: dropped
+        return "rejected"
     except BaseException:
         transaction.before.apply_to(checkpoint)
+        held_lines.release()  # what ModelCheckpoint said before the failure, as it would have said it
         if transaction.accepted:
             writer.close(False, transaction.created, remove)
-        _emit(held)  # what ModelCheckpoint said before the failed write, as it would have said it
         raise
     finally:
         _active.reset(token)
+    held_lines.release()  # a hook that wrote nothing: its lines, as ModelCheckpoint logs them
     if transaction.accepted:
         writer.close(True, (), remove)
-    _emit(held)
     return "published" if transaction.accepted else "wrote nothing"
 
 

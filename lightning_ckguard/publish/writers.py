@@ -11,11 +11,12 @@ accepted boundary, and reports to the next agreement what it could not finish.
 - :class:`DirectWriter`: everything else (object storage, a user's own ``CheckpointIO``, a replaced
   ``save_checkpoint``): the write goes to the real name, as ``ModelCheckpoint`` makes it; evictions still wait.
 
-What rank 0 does alone after the last collective of a boundary (a move into place, a link, a background write) can
-fail on rank 0 alone. Raising there would leave the other ranks in the next collective, so the writer holds it: it
-puts nothing more in place, removes what the boundary created, and reports the failure in the next agreement
-(:meth:`report`, a few integers riding in the agreement's one collective) or at the end of the fit (:meth:`finish`).
-Every rank then raises, and the ledger goes back to the one before the first boundary that was not published.
+What rank 0 does alone after the last collective of a boundary (a move into place, a link, an eviction, a background
+write) can fail on rank 0 alone. Raising there would leave the other ranks in the next collective, so the writer holds
+it: it puts nothing more in place or evicts nothing more, removes what the boundary created, and reports the failure in
+the next agreement (:meth:`report`, a few integers riding in the agreement's one collective) or at the end of the fit
+(:meth:`finish`). Every rank then raises, and the ledger goes back to the one before the first boundary that was not
+published (a boundary whose eviction failed was published: its ledger stands, the checkpoint not evicted stays on disk).
 """
 
 from __future__ import annotations
@@ -82,23 +83,35 @@ class Writer(Protocol):
 
 
 class _HeldFailure:
-    """A failure rank 0 met after the boundary's last collective, held for the next agreement."""
+    """A failure rank 0 met after the boundary's last collective, held for the next agreement. ``unpublished``: the
+    boundary it belongs to was not published (a move into place failed), so the ledger goes back to the one before
+    it; else only an eviction failed, after everything was published, and the ledger stands."""
 
-    def __init__(self, error: BaseException, path: str) -> None:
-        self.error, self.path = error, path
+    def __init__(self, error: BaseException, path: str, unpublished: bool) -> None:
+        self.error, self.path, self.unpublished = error, path, unpublished
 
 
-class _EvictsAtTheEnd:
-    """Evictions held until the boundary published everything; what it wrote under a name is not evicted. Nothing is
-    left to report: every write raised, if it failed, on every rank."""
+class _HoldsFailures:
+    """What rank 0 does alone after the boundary's last collective and fails (a move into place, an eviction: only
+    rank 0 removes) is held: nothing more of the boundary is put in place or evicted, and every rank learns of it in
+    the next agreement or at the end of the fit. Raising there on rank 0 alone would leave its peers waiting in the
+    next collective. Evictions wait until the boundary published everything; what it wrote under a name is not
+    evicted."""
 
     def __init__(self, collective: Any) -> None:
         self._collective = collective
         self._written: list[str] = []
         self._evictions: list[tuple[str, Remove]] = []
+        self._held: _HeldFailure | None = None
+        self._unconfirmed: Ledger | None = None  # the ledger before the first boundary not yet agreed published
+        # whether rank 0 was handed something to do alone since the last settle; the same on every rank, so a finish
+        # with nothing to report skips its collective on every rank alike
+        self._acted_alone = False
 
     def open(self, before: Ledger | None) -> None:
         self._written, self._evictions = [], []
+        if self._unconfirmed is None:
+            self._unconfirmed = before
 
     def remove(self, path: str, remove: Remove) -> None:
         self._evictions.append((path, remove))
@@ -108,18 +121,47 @@ class _EvictsAtTheEnd:
         if not published:
             _remove_all(reversed(created), remove)
             return
+        # a name written anew is the new checkpoint, not an eviction
+        evictions = [(path, evict) for path, evict in evictions if path not in self._written]
+        self._acted_alone = self._acted_alone or bool(evictions)
         for path, evict in evictions:
-            if path not in self._written:  # a name written anew is the new checkpoint, not an eviction
-                evict(path)
+            if self._held is not None:
+                return  # nothing is evicted for a boundary that was not published whole, nor after a failed eviction
+            self._hold_failure_of(partial(evict, path), path, unpublished=False)
+
+    def _hold_failure_of(self, act: Callable[[], None], path: str, unpublished: bool) -> bool:
+        """Run ``act``, what rank 0 does alone at ``path``; hold its failure. Returns whether it succeeded."""
+        try:
+            act()
+        except Exception as error:
+            self._held = _HeldFailure(error, path, unpublished)
+            return False
+        return True
 
     def report(self) -> list[int]:
-        return []
+        held = self._held
+        return failure_words(self._collective, held.error if held is not None else None,
+                             [int(held is not None and held.unpublished)])
 
     def settle(self, collective: Any, reduced: Sequence[int]) -> WriteFailure | None:
-        return None
+        held, self._held = self._held, None
+        self._acted_alone = False
+        found = failures_from(collective, reduced, held.error if held else None, held.path if held else None)
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
+        unpublished = bool(found.values[0])  # some rank's boundary was not published: back to before it
+        error = write_error(found, held.error if held else None, found.detail, removal=not unpublished)
+        if error is None:
+            return None
+        return WriteFailure(error, unconfirmed if unpublished else None)
 
     def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
-        return None
+        if during_exception:  # no collective is safe: this rank's own failure only
+            held, self._held = self._held, None
+            return WriteFailure(held.error, self._unconfirmed if held.unpublished else None) if held else None
+        if not self._acted_alone:  # nothing rank 0 did alone can have failed: no collective, on every rank
+            self._unconfirmed = None
+            return None
+        return self.settle(collective, reduce_ints(collective, self.report()))
 
     def wait(self) -> None:
         """Synchronous: every write has run."""
@@ -128,70 +170,22 @@ class _EvictsAtTheEnd:
         """Nothing to give back."""
 
 
-class _HoldsFailures(_EvictsAtTheEnd):
-    """What rank 0 puts in place alone, after the boundary's last collective: a failure is held, undoes what the
-    boundary created, stops everything after it, and is reported in the next agreement or at the end of the fit."""
-
-    def __init__(self, collective: Any) -> None:
-        super().__init__(collective)
-        self._held: _HeldFailure | None = None
-        self._unconfirmed: Ledger | None = None  # the ledger before the first boundary not yet agreed published
-        self._created: list[str] = []
-
-    def open(self, before: Ledger | None) -> None:
-        super().open(before)
-        if self._unconfirmed is None:
-            self._unconfirmed = before
-        self._created = []
-
-    def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
-        if self._held is not None and published:
-            self._evictions = []  # nothing is evicted for a boundary that was not published whole
-        super().close(published, created, remove)
-
-    def report(self) -> list[int]:
-        return failure_words(self._collective, self._held.error if self._held is not None else None)
-
-    def settle(self, collective: Any, reduced: Sequence[int]) -> WriteFailure | None:
-        held, self._held = self._held, None
-        found = failures_from(collective, reduced, held.error if held else None, held.path if held else None)
-        published, self._unconfirmed = self._unconfirmed, None
-        error = write_error(found, held.error if held else None, found.detail)
-        return WriteFailure(error, published) if error is not None else None
-
-    def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
-        if during_exception:  # no collective is safe: this rank's own failure only
-            held, self._held = self._held, None
-            return WriteFailure(held.error, self._unconfirmed) if held is not None else None
-        return self.settle(collective, reduce_ints(collective, self.report()))
-
-    def _in_place(self, filepath: str, staging: str, put: Callable[[], None]) -> None:
-        """Rank 0 puts ``staging`` in place as ``filepath`` (``put``); a failure is held, and undoes the boundary."""
-        if self._held is not None:
-            discard(staging)
-            return
-        new = not os.path.lexists(filepath)
-        try:
-            put()
-        except Exception as error:
-            discard(staging)
-            self._held = _HeldFailure(error, filepath)
-            _remove_all(self._created, discard)  # what this boundary created, on rank 0 alone
-            return
-        if new:
-            self._created.append(filepath)
-
-
 class StagedWriter(_HoldsFailures):
     """Local files and directories, written by Lightning into a staging sibling and moved into place by rank 0, with
-    the flushes of ``durability`` in between (data before the rename, the directory after it)."""
+    the flushes of ``durability`` in between (data before the rename, the directory after it). A move that fails is
+    held, and removes what the boundary created."""
 
     def __init__(self, collective: Any, storage: Storage, durability: Durability) -> None:
         super().__init__(collective)
         self._storage, self._durability = storage, durability
+        self._created: list[str] = []  # the names this boundary put in place anew (rank 0)
         # a file is written by rank 0 alone; a directory by every rank, each flushing what it sees once its part is in
         writes_alone = not writes_directories(collective) and not is_rank_zero(collective)
         self._flush_written = _nothing_to_flush if writes_alone else durability.flush_written
+
+    def open(self, before: Ledger | None) -> None:
+        super().open(before)
+        self._created = []
 
     def save(self, filepath: str, write: Write) -> None:
         staging = staging_path(filepath)
@@ -205,17 +199,36 @@ class StagedWriter(_HoldsFailures):
                 discard(staging)
             raise
         self._written.append(filepath)
+        self._acted_alone = True  # rank 0's move into place follows
         # a write that left nothing there (a checkpoint IO writing elsewhere) has nothing to publish
         if rank_zero and os.path.lexists(staging):
             self._in_place(filepath, staging, partial(self._move_into_place, staging, filepath))
 
     def link(self, target: str, linkpath: str, link: Link) -> None:
+        if os.path.abspath(target) == os.path.abspath(linkpath):
+            # `last` is the checkpoint just saved: ModelCheckpoint's own link leaves the file alone and runs its barrier
+            link(target, linkpath)
+            self._written.append(linkpath)
+            return
         # made beside `linkpath` (same relative target) and renamed over it: `last` is never absent
         staging = staging_path(linkpath)
         link(target, staging)  # rank 0 links, then ModelCheckpoint's barrier
         self._written.append(linkpath)
+        self._acted_alone = True  # rank 0's move into place follows
         if is_rank_zero(self._collective) and os.path.lexists(staging):
             self._in_place(linkpath, staging, partial(self._move_into_place, staging, linkpath))
+
+    def _in_place(self, filepath: str, staging: str, put: Callable[[], None]) -> None:
+        """Rank 0 puts ``staging`` in place as ``filepath`` (``put``); a failure is held, and undoes the boundary."""
+        if self._held is not None:
+            discard(staging)
+            return
+        new = not os.path.lexists(filepath)
+        if not self._hold_failure_of(put, filepath, unpublished=True):
+            discard(staging)
+            _remove_all(self._created, discard)  # what this boundary created, on rank 0 alone
+        elif new:
+            self._created.append(filepath)
 
     def _move_into_place(self, staging: str, filepath: str) -> None:
         """The rename, then the flush of the directory that holds the name: before any eviction in it."""
@@ -223,9 +236,10 @@ class StagedWriter(_HoldsFailures):
         self._durability.flush_entries(os.path.dirname(filepath))
 
 
-class DirectWriter(_EvictsAtTheEnd):
+class DirectWriter(_HoldsFailures):
     """Writes at the real name, as ``ModelCheckpoint`` does (object storage, where one upload is atomic; a user's
-    own ``CheckpointIO`` or ``save_checkpoint``, which gets exactly the path it is given)."""
+    own ``CheckpointIO`` or ``save_checkpoint``, which gets exactly the path it is given). Only an eviction is done
+    by rank 0 alone: its failure is held."""
 
     def save(self, filepath: str, write: Write) -> None:
         write(filepath, _nothing_to_flush)  # the upload, or the user's own IO, is the publication

@@ -33,9 +33,9 @@ class NonFiniteWindow:
     - ``first_steps`` / ``last_steps``: the first and last such step of each kind, ``-1`` if none.
     - ``parameter_counts[i]``: non-finite steps seen in parameter ``i``'s gradient.
 
-    Host-side: ``steps_recorded`` and ``pending_rejection`` (the last boundary was rejected and no step has run since,
-    so the weights are still the rejected ones), and at most one step whose outcome is not known yet (see
-    :meth:`record_pending`).
+    Host-side: ``steps_recorded`` and ``pending_rejection`` (the last boundary was rejected and no step has been
+    applied since, so the weights are still the rejected ones: a bool, or a 0-d device tensor after steps whose skip
+    flag only the device knows), and at most one step whose outcome is not known yet (see :meth:`record_pending`).
 
     With ``step_values`` (a spike gate is on), each step's gradient sum of squares goes there too, from the same
     read of the gradients where one read serves both (:class:`~lightning_ckguard.record.squares.FlagsAndSquares`);
@@ -49,7 +49,7 @@ class NonFiniteWindow:
         self.last_steps = torch.full((2,), -1, dtype=torch.int64, device=self.device)
         self.parameter_counts = torch.zeros(0, dtype=torch.int32, device=self.device)
         self.steps_recorded = 0
-        self.pending_rejection = False
+        self.pending_rejection: bool | Tensor = False
         self._check = NonFiniteCheck()
         self.step_values = step_values
         self._indices = IndexTensors(self.device)
@@ -121,7 +121,6 @@ class NonFiniteWindow:
                  layout: SquaresLayout) -> tuple[Tensor, Tensor]:
         """Read the step's gradients: whether they were finite, and their sum of squares (with a spike gate)."""
         self.steps_recorded += 1
-        self.pending_rejection = False
         if num_parameters > self.parameter_counts.numel():
             grown = torch.zeros(num_parameters, dtype=torch.int32, device=self.device)
             grown[: self.parameter_counts.numel()] = self.parameter_counts
@@ -161,10 +160,13 @@ class NonFiniteWindow:
         # a handful of tiny kernels per step; ``first`` is set from ``last`` the first time ``last`` is set
         if skipped is None or skipped is False:  # the usual step: only the applied-step counters can change
             counts, first, last, events = self._applied_count, self._applied_first, self._applied_last, non_finite
+            self.pending_rejection = False  # a step ran: the weights are no longer the rejected ones
         else:
             skip = self._skip_flag(skipped)
             counts, first, last = self.step_counts, self.first_steps, self.last_steps
             events = torch.stack([non_finite & ~skip, skip])
+            if self.pending_rejection is not False:  # a rejection stays pending only through steps never applied
+                self.pending_rejection = skip if self.pending_rejection is True else self.pending_rejection & skip
         counts.add_(events)
         last.masked_fill_(events, step)
         torch.where(first < 0, last, first, out=first)
@@ -189,14 +191,14 @@ class NonFiniteWindow:
                 self.step_counts[1],
                 self.first_steps[1],
                 self.last_steps[1],
-                torch.tensor(int(self.pending_rejection), device=self.device),
+                torch.as_tensor(self.pending_rejection, device=self.device).to(torch.int64),
                 (counts > 0).sum().to(torch.int64),
             ]
         )
         return torch.cat([header, reported])
 
     def reset(self, *, pending_rejection: bool = False) -> None:
-        """Start a fresh window; ``pending_rejection`` carries a rejection until the next step is recorded."""
+        """Start a fresh window; ``pending_rejection`` carries a rejection until a step is applied (not skipped)."""
         self.step_counts.zero_()
         self.first_steps.fill_(-1)
         self.last_steps.fill_(-1)

@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning_ckguard._distributed import agree_on_failure, broadcast_value
 from lightning_ckguard.agree.report import BoundaryReport
-from lightning_ckguard.errors import RewindRefusedError, Spike, describe_spikes
+from lightning_ckguard.errors import CheckpointRestoreError, RewindRefusedError, Spike, describe_spikes
 
 #: The file, next to the checkpoints, that gets one JSON line per rewind (written by rank 0).
 REWIND_LOG_NAME = "ckguard-rewinds.jsonl"
@@ -257,8 +257,20 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
     Call it on every rank at the same point, with the same ``path``: after a rejected ``guard.agree(...)``, with the
     path of the last checkpoint you published. Your own counters (step, epoch, data position) are yours to keep
     going or to set back.
+
+    Raises:
+        CheckpointRestoreError: On every rank, when loading failed on some rank (one collective tells every rank).
     """
-    remainder: dict[str, Any] = fabric.load(path, state, strict=strict)
+    remainder: dict[str, Any] = {}
+    failure: BaseException | None = None
+    try:
+        remainder = fabric.load(path, state, strict=strict)
+    except Exception as error:  # every rank must hear of it, or the others would wait in their next collective
+        failure = error
+        fabric.barrier()  # where the others' `fabric.load` ends (a load fails before it: reading the file)
+    failed = agree_on_failure(fabric.strategy, failure)
+    if failed.ranks:
+        raise CheckpointRestoreError(ranks=failed.ranks, filepath=str(path), cause=failed.cause) from failure
     if guard is not None:
         guard.reset()  # the restored weights are the accepted ones: the next window starts clean
     return remainder

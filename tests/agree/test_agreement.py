@@ -128,6 +128,18 @@ def test_a_guard_agrees_alone_without_a_collective_and_refuses_what_is_not_one()
         guard.agree(object())
 
 
+@pytest.mark.parametrize("arguments, argument", [
+    (dict(module="model"), "module"),
+    (dict(count_skipped_steps="no"), "count_skipped_steps"),  # a truthy string would count skipped steps
+    (dict(count_skipped_steps=1), "count_skipped_steps"),
+    (dict(source=object()), "source"),
+    (dict(spike_gate="on"), "spike_gate"),
+])
+def test_a_guard_refuses_bad_arguments_at_construction_naming_them(arguments, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        GradientGuard(**{"module": torch.nn.Linear(2, 1), **arguments})
+
+
 @pytest.mark.parametrize("nan", [False, True], ids=["accepted", "rejected"])
 def test_a_guard_runs_one_collective_when_it_accepts_and_one_more_only_when_it_rejects(monkeypatch, nan):
     from types import SimpleNamespace

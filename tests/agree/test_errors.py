@@ -23,6 +23,7 @@ ERRORS = [
     pytest.param(_rejection, id="NonFiniteGradientError"),
     pytest.param(lambda: _rejection(unnamed_ranks=4000), id="NonFiniteGradientError-past-16-ranks"),
     pytest.param(_write_failure, id="CheckpointWriteError"),
+    pytest.param(lambda: _write_failure(removal=True), id="CheckpointWriteError-removal"),
 ]
 
 

@@ -3,6 +3,7 @@
 import inspect
 from datetime import timedelta
 
+import numpy as np
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -79,3 +80,13 @@ def test_valid_arguments_are_accepted(tmp_path):
     linked = FiniteGradCheckpoint(save_last="link", on_non_finite="skip", save_on_train_epoch_end=False)
     assert (linked.save_last, linked.on_non_finite, linked._save_on_train_epoch_end) == ("link", "skip", False)
     assert linked.max_rewinds is None
+
+
+def test_numpy_integers_are_taken_as_model_checkpoint_takes_them(tmp_path):
+    # a sweep or a grid config often yields numpy integers
+    kwargs = dict(monitor="val_loss", save_top_k=np.int64(2), every_n_epochs=np.int32(2))
+    ours, theirs = FiniteGradCheckpoint(**kwargs), ModelCheckpoint(**kwargs)
+    assert (ours.save_top_k, ours._every_n_epochs) == (theirs.save_top_k, theirs._every_n_epochs) == (2, 2)
+    assert FiniteGradCheckpoint(on_non_finite="rewind", max_rewinds=np.int64(3)).max_rewinds == 3
+    with pytest.raises(ValueError, match="`save_top_k`"):
+        FiniteGradCheckpoint(save_top_k=np.bool_(True))

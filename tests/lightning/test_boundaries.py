@@ -112,6 +112,17 @@ def test_rejection_of_top_k_plus_link_changes_nothing(tmp_path):
         assert word in str(info.value)
 
 
+def test_a_subclass_saving_without_model_checkpoints_save_agrees_first(tmp_path):
+    # its own `trainer.save_checkpoint` inside the boundary is the first file operation: a rejection publishes nothing
+    from test_conformance import saves_without_super
+
+    callback = saves_without_super(FiniteGradCheckpoint)(dirpath=tmp_path, monitor="val_loss", save_top_k=2)
+    with pytest.raises(NonFiniteGradientError, match="steps 4 to 5"):
+        fit(callback, EPOCHS, fault_steps=[4], sanitize=False)
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt"]
+    assert list(callback.best_k_models) == [str(tmp_path / "epoch=0-step=3.ckpt")]
+
+
 def test_skip_keeps_rejecting_until_a_new_step_runs(tmp_path):
     # the fault is in the last step and is applied (no sanitizing): the validation boundary is skipped, and the
     # `save_last` at train end, at the same global step, must not publish the poisoned weights either

@@ -210,6 +210,53 @@ def test_finite_run_is_indistinguishable_from_model_checkpoint(case: Case, tmp_p
     )
 
 
+def _derives_score(base: type[ModelCheckpoint]) -> type[ModelCheckpoint]:
+    class DerivesScore(base):  # type: ignore[valid-type,misc]  # ranks a key it adds after ModelCheckpoint's
+        def _monitor_candidates(self, trainer: Trainer) -> dict[str, Any]:
+            candidates = super()._monitor_candidates(trainer)
+            if "val_loss" in candidates:
+                candidates["score"] = -candidates["val_loss"]
+            return candidates
+    return DerivesScore
+
+
+def _rescales_loss(base: type[ModelCheckpoint]) -> type[ModelCheckpoint]:
+    class RescalesLoss(base):  # type: ignore[valid-type,misc]  # ranks the monitored value it changed
+        def _monitor_candidates(self, trainer: Trainer) -> dict[str, Any]:
+            candidates = super()._monitor_candidates(trainer)
+            if "val_loss" in candidates:
+                candidates["val_loss"] = 10.0 - candidates["val_loss"]
+            return candidates
+    return RescalesLoss
+
+
+def saves_without_super(base: type[ModelCheckpoint]) -> type[ModelCheckpoint]:
+    class SavesItself(base):  # type: ignore[valid-type,misc]  # writes as ModelCheckpoint does, not through it
+        def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+            trainer.save_checkpoint(filepath, self.save_weights_only)
+            self._last_global_step_saved = trainer.global_step
+            self._last_checkpoint_saved = filepath
+    return SavesItself
+
+
+SUBCLASSES = {
+    "derived-key": (_derives_score, Case(dict(monitor="score", mode="max", save_top_k=2, save_last=True))),
+    "rescaled-key": (_rescales_loss, Case(dict(MONITOR, save_top_k=2))),
+    "save-without-super": (saves_without_super, Case(dict(MONITOR, save_top_k=2, save_last=True))),
+}
+
+
+@pytest.mark.parametrize("subclass", list(SUBCLASSES))
+def test_a_subclass_of_each_class_behaves_alike(subclass, tmp_path, monkeypatch):
+    # the top-K vote is the one taken on the value ModelCheckpoint ranks; a subclass's own save agrees and evicts
+    derive, case = SUBCLASSES[subclass]
+    plain = _observe(derive(ModelCheckpoint), case, str(tmp_path / "plain"), monkeypatch)
+    guarded = _observe(derive(FiniteGradCheckpoint), case, str(tmp_path / "guarded"), monkeypatch)
+    assert plain["attributes"]["best_k_models"], "the case ranks nothing"
+    found = differences(plain, guarded)
+    assert not found, "\n".join(found)
+
+
 # ---------------------------------------------------------------------------------------------------- the classes
 
 

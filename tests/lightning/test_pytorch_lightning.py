@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,3 +64,14 @@ def test_nan_is_refused_then_resume_from_last_finishes(tmp_path, lightning):
     after = tree_digest(tmp_path)
     assert [after[name] for name in ("step=2.ckpt", "step=4.ckpt")] == [before["tree"][name] for name in
                                                                           ("step=2.ckpt", "step=4.ckpt")]
+
+
+@pytest.mark.parametrize("first", ["pytorch_lightning", "lightning_ckguard.pytorch_lightning"])
+def test_a_pytorch_lightning_user_keeps_its_rank_zero_logger(first):
+    # `lightning_ckguard` imports `lightning.pytorch`, which points Lightning's rank-zero logger at its own: a
+    # `pytorch_lightning` user's logging setup would stop applying to ModelCheckpoint's lines (a fresh interpreter: the
+    # import order is the point)
+    script = (f"import {first}, pytorch_lightning, lightning_ckguard.pytorch_lightning\n"
+              "from lightning_utilities.core import rank_zero\nprint(rank_zero.log.name)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["pytorch_lightning.utilities.rank_zero"]

@@ -100,6 +100,14 @@ def test_fabric_example_script_with_its_command_line(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_restore_failing_on_one_rank_raises_on_every_rank(worker_results):
+    # rank 1's load fails alone: rank 0 must not go on to wait for it in the next collective
+    launch = worker_results("workers/fabric_worker.py", ["restore-fails", OUT], timeout=TIMEOUT, prefix="restore-")
+    expected = {"raised": "CheckpointRestoreError", "ranks": [1], "cause": "OSError: [Errno 116] Stale file handle"}
+    assert launch.ranks == [{**expected, "chained": None}, {**expected, "chained": "OSError"}]
+
+
+@pytest.mark.multiprocess
 def test_raw_torch_distributed_process_group(worker_results):
     launch = worker_results("workers/fabric_worker.py", ["process-group", OUT], timeout=TIMEOUT, prefix="pg-")
     ranks, out = launch.ranks, launch.out

@@ -1,12 +1,21 @@
 """A move into place that fails on rank 0, after the boundary's last collective, is held: nothing more of that boundary
 is put in place or evicted, what it created is removed, and the next agreement (or the end of training) raises it
-with the ledger back to the one before that boundary."""
+with the ledger back to the one before that boundary. An eviction that fails there (only rank 0 removes) is held the
+same way, on 2 ranks too (``workers/held_moves_worker.py``), with its boundary's ledger standing: it was published."""
 
 from __future__ import annotations
 
-import pytest
-from lightning.pytorch import Trainer, seed_everything
+import errno
+import os
+from typing import Any
 
+import pytest
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from conftest import OUT
 from helpers import QUIET, FaultyModel, ledger_state, refuse_moves_to, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
 
@@ -51,3 +60,72 @@ def test_a_refused_move_at_the_last_boundary_is_raised_at_train_end(tmp_path):
     assert ledger_state(callback) == before["state"]
     assert tree_digest(str(tmp_path)) == before["tree"]
     assert callback.best_model_path == str(tmp_path / "epoch=1-step=4.ckpt")
+
+
+def refuse_removal_of_epoch_0(path: Any) -> None:
+    """Fail like a busy file (``EBUSY``, as on NFS while a reader holds it) for a checkpoint named ``epoch=0...``."""
+    if os.path.basename(str(path)).startswith("epoch=0"):
+        raise OSError(errno.EBUSY, "Device or resource busy (injected)", str(path))
+
+
+class BusyRemovalIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO (staged writes), whose removal of epoch 0's checkpoint fails."""
+
+    def remove_checkpoint(self, path: Any) -> None:
+        refuse_removal_of_epoch_0(path)
+        super().remove_checkpoint(path)
+
+
+class OwnBusyRemovalIO(CheckpointIO):
+    """A user's own checkpoint IO (written at the real name, not staged), whose removal of epoch 0's fails."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        torch.save(checkpoint, str(path))
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+        return torch.load(str(path), map_location=map_location, weights_only=False)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        refuse_removal_of_epoch_0(path)
+        os.remove(str(path))
+
+    def teardown(self) -> None:
+        """Nothing to release."""
+
+
+@pytest.mark.parametrize("io", [BusyRemovalIO, OwnBusyRemovalIO], ids=["staged", "direct"])
+def test_a_failed_eviction_is_held_until_the_next_boundary_with_its_boundary_published(io, caplog, tmp_path):
+    # epoch 1's boundary publishes its checkpoint, then the eviction of epoch 0's fails: raised at epoch 2's agreement
+    # (on every rank alike), with epoch 1's ledger standing, its log lines said, and epoch 0's file left in place
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, verbose=True)
+    model = FaultyModel(val_losses=[3.0, 2.0, 1.0], snapshot_steps=[5])  # step 5: before epoch 2's boundary
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], plugins=[io()], **QUIET, **EPOCHS)
+    with caplog.at_level("INFO"), pytest.raises(OSError, match="Device or resource busy"):
+        trainer.fit(model)
+    assert trainer.current_epoch == 2, "raised at the next boundary's agreement, not at the eviction"
+    before = model.snapshots[5]
+    assert ledger_state(callback) == before["state"]
+    assert callback.best_model_path == str(tmp_path / "epoch=1-step=4.ckpt")
+    assert tree_digest(str(tmp_path)) == before["tree"]
+    assert sorted(before["tree"]) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+    saving = [r.getMessage() for r in caplog.records if "saving model to" in r.getMessage()]
+    assert any("epoch=1-step=4.ckpt" in line for line in saving), saving  # the published boundary's line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(330)
+def test_a_failed_eviction_on_rank_0_raises_on_every_rank_at_the_next_agreement(worker_results):
+    ranks = worker_results("workers/held_moves_worker.py", [OUT, "evict-fails"], timeout=300).ranks
+    errors = [rank["evict-fails"]["error"] for rank in ranks]
+    assert errors[0].get("type") == "OSError" and "Device or resource busy" in errors[0]["message"], errors[0]
+    assert errors[1].get("type") == "CheckpointWriteError", errors[1]  # not left waiting for rank 0
+    assert "failed on rank 0" in errors[1]["message"] and "Device or resource busy" in errors[1]["message"]
+    assert errors[1]["message"].startswith("Removing the checkpoint") and "stays on disk" in errors[1]["message"]
+    for rank, results in enumerate(ranks):
+        result = results["evict-fails"]
+        assert result["global_step"] == 6, f"rank {rank}: raised at epoch 2's agreement, not elsewhere"
+        assert result["state"] == result["snapshots"]["5"]["state"], f"rank {rank}: epoch 1's ledger does not stand"
+    rank0 = ranks[0]["evict-fails"]
+    assert rank0["tree"] == rank0["snapshots"]["5"]["tree"]
+    assert sorted(rank0["tree"]) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]

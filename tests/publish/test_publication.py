@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import QUIET, FailingIO, FaultyModel, ledger_state, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
@@ -78,3 +80,21 @@ def test_a_failed_write_still_logs_the_lines_model_checkpoint_logged_before_it(c
         trainer.fit(FaultyModel(val_losses=[3.0, 2.0, 1.0]))
     saving = [r.getMessage() for r in caplog.records if "saving model to" in r.getMessage()]
     assert len(saving) == 1 and "epoch=0-step=2.ckpt" in saving[0], saving
+
+
+class LogsWhileSaved(FaultyModel):
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        logging.getLogger("my_project").info("on_save_checkpoint at step %d", self.global_step)
+
+
+@pytest.mark.parametrize("cls", [ModelCheckpoint, FiniteGradCheckpoint])
+def test_model_checkpoints_lines_come_before_what_the_write_logs(cls, caplog, tmp_path):
+    # the held lines are released once the boundary is accepted, before its first write, not after the hook
+    callback = cls(dirpath=tmp_path, monitor="val_loss", save_top_k=1, verbose=True)
+    seed_everything(0)
+    with caplog.at_level("INFO"):
+        Trainer(callbacks=[callback], **QUIET, **EPOCHS).fit(LogsWhileSaved(val_losses=[3.0, 2.0, 1.0]))
+    lines = [r.getMessage().split(":")[0] if r.name == "my_project" else r.getMessage().split(",")[0]
+             for r in caplog.records if r.name == "my_project" or "val_loss" in r.getMessage()]
+    assert lines == ["Epoch 0", "on_save_checkpoint at step 2", "Epoch 1", "on_save_checkpoint at step 4",
+                     "Epoch 2", "on_save_checkpoint at step 6"]

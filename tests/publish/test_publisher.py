@@ -50,6 +50,13 @@ def test_a_nan_on_rank_1_is_rejected_on_both_ranks_and_nothing_is_written(ranks)
 
 
 @pytest.mark.multiprocess
+def test_a_dirpath_rank_0_cannot_create_raises_on_every_rank_at_construction(ranks):
+    errors = [rank["unmakeable-dirpath"]["error"] for rank in ranks]
+    assert [e and e["type"] for e in errors] == ["NotADirectoryError", "CheckpointWriteError"], errors
+    assert "failed on rank 0" in errors[1]["message"]
+
+
+@pytest.mark.multiprocess
 def test_a_write_refused_on_rank_0_raises_on_both_ranks_and_leaves_no_partial_file(ranks):
     # rank 0 raises its own error, rank 1 the CheckpointWriteError that names rank 0
     assert _errors(ranks, "refused-write-on-rank-0", 8) == ["OSError", "CheckpointWriteError"]
@@ -120,11 +127,13 @@ def test_one_process_failed_write_leaves_the_published_name_as_it_was(tmp_path):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [(dict(dirpath=""), "dirpath"), (dict(dirpath=3), "dirpath"), (dict(guard=object()), "guard")],
+    [(dict(dirpath=""), "dirpath"), (dict(dirpath=3), "dirpath"), (dict(guard=object()), "guard"),
+     (dict(collective="ddp"), "collective"), (dict(collective=object()), "collective")],
 )
 def test_bad_arguments_are_a_value_error(tmp_path, kwargs, match):
+    # a collective that is none would publish as a single process on every rank
     with pytest.raises(ValueError, match=match):
-        CheckpointPublisher(None, **{"dirpath": tmp_path, **kwargs})
+        CheckpointPublisher(**{"collective": None, "dirpath": tmp_path, **kwargs})
 
 
 @pytest.mark.parametrize("name", ["", "..", "sub/step=1.ckpt", "/abs.ckpt"])

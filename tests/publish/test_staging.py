@@ -9,6 +9,7 @@ import tempfile
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_ckguard.publish.staging as staging_module
 from conftest import LAST_AT_EVERY_BOUNDARY
@@ -316,3 +317,64 @@ def test_a_staging_path_is_reported_under_the_name_it_would_be_published_as(tmp_
     final = str(tmp_path / "epoch=0-step=4.ckpt")
     assert published_path(staging_path(final)) == final
     assert published_path(final) == final
+
+
+def _kinds(root) -> dict[str, str]:
+    """Every entry under ``root`` (links not followed): ``link``, ``dir`` or ``file``."""
+    kinds = {}
+    for directory, subdirectories, files in os.walk(root):
+        for name in subdirectories + files:
+            path = os.path.join(directory, name)
+            kind = "link" if os.path.islink(path) else "dir" if os.path.isdir(path) else "file"
+            kinds[os.path.relpath(path, root)] = kind
+    return kinds
+
+
+def _fit(dirpath: str, cls: type, directories: bool, max_epochs: int = 2, **kwargs) -> None:
+    seed_everything(0)
+    strategy = DirectoryCheckpointStrategy() if directories else "auto"
+    Trainer(strategy=strategy, callbacks=[cls(dirpath=dirpath, **kwargs)], max_epochs=max_epochs,
+            limit_train_batches=2, limit_val_batches=0, **QUIET).fit(FaultyModel())
+
+
+@pytest.mark.parametrize("directories", [False, True], ids=["file", "directory"])
+def test_a_last_link_to_the_checkpoint_itself_leaves_the_checkpoint_as_model_checkpoint_does(tmp_path, directories):
+    # `last` is the name the top-1 checkpoint was just saved under: ModelCheckpoint's link does nothing to it
+    same_name = dict(filename="last", save_last="link", save_top_k=1, enable_version_counter=False)
+    _fit(str(tmp_path / "plain"), ModelCheckpoint, directories, **same_name)
+    _fit(str(tmp_path / "guarded"), FiniteGradCheckpoint, directories, **same_name)
+    assert _kinds(tmp_path / "guarded") == _kinds(tmp_path / "plain")
+    assert not os.path.islink(tmp_path / "guarded" / "last.ckpt")
+    last = tmp_path / "guarded" / "last.ckpt"
+    loaded = torch.load(last / "state.pt" if directories else last, weights_only=False)
+    assert loaded["global_step"] == 4
+
+
+def test_a_filename_in_a_subdirectory_leaves_no_retired_copy_there(tmp_path):
+    # a directory fit whose name `sub/model` is replaced at every epoch: its retired copy sits in `sub/`
+    kwargs = dict(filename="sub/model", save_top_k=1, save_last=True, enable_version_counter=False)
+    _fit(str(tmp_path / "plain"), ModelCheckpoint, True, max_epochs=3, **kwargs)
+    _fit(str(tmp_path / "guarded"), FiniteGradCheckpoint, True, max_epochs=3, **kwargs)
+    assert sorted(os.listdir(tmp_path / "guarded" / "sub")) == ["model.ckpt"]
+    assert _kinds(tmp_path / "guarded") == _kinds(tmp_path / "plain")
+
+
+def test_recover_resolves_leftovers_in_subdirectories_and_follows_no_link(tmp_path):
+    dirpath = tmp_path / "ckpts"
+    # a crash between the two renames of `sub/model.ckpt`, and a staging entry two levels down
+    _checkpoint_dir(dirpath / "sub" / ".model.ckpt.ckguard-retired", "old model")
+    _checkpoint_dir(dirpath / "sub" / ".model.ckpt.ckguard-staging", "new model, unpublished")
+    _checkpoint_dir(staging_path(str(dirpath / "sub" / "deeper" / "step=2.ckpt")), "partial")
+    # what a link leads to is not this fit's: left alone
+    _checkpoint_dir(tmp_path / "elsewhere" / ".other.ckpt.ckguard-staging", "someone else's")
+    os.symlink(tmp_path / "elsewhere", dirpath / "link")
+    actions = recover(str(dirpath))
+    assert len(actions) == 3, actions
+    assert sorted(os.listdir(dirpath / "sub")) == ["deeper", "model.ckpt"]
+    assert _content(dirpath / "sub" / "model.ckpt") == {"old model"}
+    assert os.listdir(dirpath / "sub" / "deeper") == []
+    assert os.listdir(tmp_path / "elsewhere") == [".other.ckpt.ckguard-staging"]
+    # a retired copy whose replacement arrived, in a subdirectory: released at the end of a fit
+    _checkpoint_dir(dirpath / "sub" / ".model.ckpt.ckguard-retired", "replaced")
+    assert release_all_retired(str(dirpath)) == [str(dirpath / "sub" / ".model.ckpt.ckguard-retired")]
+    assert sorted(os.listdir(dirpath / "sub")) == ["deeper", "model.ckpt"]

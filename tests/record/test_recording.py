@@ -79,6 +79,23 @@ def test_guard_attributes_steps_and_parameters():
     assert guard.agree(global_step=5).accepted
 
 
+@pytest.mark.parametrize("skip_flag", [True, torch.tensor(True), torch.tensor(1.0)], ids=["bool", "tensor", "float"])
+def test_a_pending_rejection_outlives_steps_a_loss_scaler_skipped(skip_flag):
+    # the weights are still the rejected ones until a step is applied: a skipped step changed nothing
+    model = _model()
+    guard = GradientGuard(model)
+    model(torch.randn(5, 4)).sum().backward()
+    guard.reset(pending_rejection=True)
+    guard.record(step=7, skipped=skip_flag)
+    guard.record(step=8, skipped=skip_flag)
+    verdict = guard.agree(global_step=9)
+    assert not verdict.accepted and verdict.to_error().pending_rejection
+    guard.reset(pending_rejection=True)
+    guard.record(step=9, skipped=skip_flag)
+    guard.record(step=10, skipped=torch.tensor(False))  # applied
+    assert guard.agree(global_step=11).accepted
+
+
 def test_frozen_and_gradless_parameters_are_ignored():
     model = _model()
     model[0].weight.requires_grad_(False)

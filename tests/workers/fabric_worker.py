@@ -4,6 +4,9 @@
 Fabric (``strategy="ddp"``, 2 CPU processes, Fabric's own launcher starts rank 1 by re-running this script). Each rank
 writes the events it observed to ``OUT/fabric-rank{N}.json``; checkpoints go to ``OUT/checkpoints``.
 
+``python fabric_worker.py restore-fails OUT``: ``restore_fabric_state`` whose load fails on rank 1 only; each rank
+writes what it raised to ``OUT/restore-rank{N}.json``.
+
 ``python fabric_worker.py process-group OUT``: a raw ``torch.distributed`` gloo process group (no Lightning at all),
 two processes from ``torch.multiprocessing.spawn``, a ``DistributedDataParallel`` model and ``guard.agree(group)``
 with a group from ``dist.new_group``. Each rank writes ``OUT/pg-rank{N}.json``; rank 0 saves to ``OUT/checkpoints``,
@@ -54,6 +57,32 @@ def run_fabric(out: str, steps: int, fault_step: int, every: int) -> None:
     events = fabric_guard.train(fabric, steps, fault_step, every, checkpoints)
     write(out, f"fabric-rank{fabric.global_rank}.json", {"world_size": fabric.world_size, "events": events})
     leave_without_finalizing()  # this rank's part is written; gloo's objects are not left to the interpreter's exit
+
+
+def run_restore_failing_on_rank_1(out: str) -> None:
+    """``restore_fabric_state`` whose load fails on rank 1 only (a stale file handle): every rank must raise."""
+    import fabric_guard
+
+    from lightning_ckguard import CheckpointRestoreError, restore_fabric_state
+
+    fabric = fabric_guard.make_fabric()
+    fabric.launch()
+    model, optimizer = fabric.setup(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters()))
+    path = os.path.join(out, "model.ckpt")
+    fabric.save(path, {"model": model})
+    if fabric.global_rank == 1:
+        def stale(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(116, "Stale file handle")
+        fabric.load = stale
+    try:
+        restore_fabric_state(fabric, path, {"model": model})
+        result: dict[str, Any] = {"raised": None}
+    except CheckpointRestoreError as error:
+        result = {"raised": type(error).__name__, "ranks": list(error.ranks), "cause": error.cause,
+                  "chained": type(error.__cause__).__name__ if error.__cause__ is not None else None}
+    fabric.barrier()  # the ranks still meet: none was left waiting
+    write(out, f"restore-rank{fabric.global_rank}.json", result)
+    leave_without_finalizing()
 
 
 def process_group_rank(rank: int, out: str) -> None:
@@ -112,7 +141,7 @@ def _run_process_group(rank: int, out: str) -> None:
         if step == 1:
             boundary(2, group)  # steps 0-1: finite
         elif step == 2:
-            boundary(3, dist.group.WORLD)  # step 2: +inf on rank 1 only
+            boundary(3, None)  # step 2: +inf on rank 1 only; None with peers is the default group, not alone
     boundary(4, group)  # step 3 only: the rejected window was reset
     # the publisher over the same group, and over the default one (None): rank 0 writes the state dicts
     published = os.path.join(out, "published")
@@ -125,6 +154,8 @@ def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "fabric":
         run_fabric(out, *(int(a) for a in sys.argv[3:6]))
+    elif mode == "restore-fails":
+        run_restore_failing_on_rank_1(out)
     elif mode == "process-group":
         os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
         torch.multiprocessing.spawn(process_group_rank, args=(out,), nprocs=2, join=True)

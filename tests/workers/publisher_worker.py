@@ -10,6 +10,7 @@ strategy, collectives time out after 60 s) and its own checkpoint directory unde
   the all-reduce. Step 8's save raises on both ranks and writes nothing; every rank rewinds in place to step 4's
   checkpoint (``restore_fabric_state``) and step 12's save publishes.
 - ``refused-write-on-rank-0`` (DDP): rank 0's write of step 8 writes half a file, then fails with ``ENOSPC``.
+- ``unmakeable-dirpath`` (DDP): ``dirpath`` under a regular file, which rank 0 cannot create.
 - ``fsdp2-directory`` (``ModelParallelStrategy``, ``fully_shard``): each save writes a distributed-checkpoint
   directory, one shard file per rank; the directory is published whole, by one rename, after every rank wrote.
 """
@@ -141,8 +142,26 @@ def _refuse_next_write(fabric: Fabric) -> Any:
     return restore
 
 
+def _unmakeable_dirpath(out: str) -> dict[str, Any]:
+    """``dirpath`` under a regular file: rank 0 cannot create it, and every rank must hear of it at construction."""
+    fabric = _fabric("ddp")
+    blocker = os.path.join(out, "a-file")
+    if fabric.global_rank == 0:
+        with open(blocker, "w") as f:
+            f.write("not a directory")
+    fabric.barrier()
+    try:
+        CheckpointPublisher(fabric.strategy, os.path.join(blocker, "checkpoints"))
+        error = None
+    except Exception as caught:
+        error = _error(caught)
+    fabric.barrier()  # every rank is still here: none was left waiting
+    return {"error": error}
+
+
 def main() -> None:
     scenarios = {
+        "unmakeable-dirpath": _unmakeable_dirpath,
         "nan-on-rank-1": lambda out: _train(out, "nan", "ddp", fault_rank=1, refuse_on_rank_0_at=None),
         "refused-write-on-rank-0": lambda out: _train(out, "refused", "ddp", fault_rank=None, refuse_on_rank_0_at=8),
         "fsdp2-directory": lambda out: _train(out, "fsdp2", "fsdp2", fault_rank=1, refuse_on_rank_0_at=None),
