@@ -157,8 +157,10 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
     directory and the checkpoint callback's state are exactly what they were before it.
 
     Attributes:
-        ranks: Sorted global ranks the rejection is attributed to: those that recorded a non-finite gradient in the
-            window, or, when none did, those whose state to be written was not finite.
+        ranks: Sorted ranks the rejection is attributed to: those that recorded a non-finite gradient in the
+            window, or, when none did, those whose state to be written was not finite. Global ranks under a
+            Lightning or Fabric strategy and with the default process group; with a ``torch.distributed`` sub-group,
+            ranks within that group (``dist.get_global_rank(group, rank)`` maps them).
         first_step: First optimizer step (the value of ``trainer.global_step`` when it ran) with a non-finite gradient.
         last_step: Last such step.
         num_steps: Number of non-finite optimizer steps in the window. Ranks count their own steps; this is the

@@ -177,11 +177,15 @@ def move_into_place(staging: str, filepath: str) -> None:
     involved, its entries swap names in one step where the filesystem supports it (:func:`supports_exchange`);
     elsewhere the old checkpoint is renamed aside first, so at every instant ``filepath`` is either the old complete
     checkpoint, absent (with the old one recoverable), or the new one. Either way the old directory is kept under its
-    retired name until :func:`release_retired` or :func:`release_all_retired`.
+    retired name until :func:`release_retired` or :func:`release_all_retired`. A file never replaces a directory (a
+    link does, as ``ModelCheckpoint``'s replaces one): that raises ``IsADirectoryError`` with both left as they are.
     """
     if not os.path.lexists(filepath) or not (_is_directory(staging) or _is_directory(filepath)):
         os.replace(staging, filepath)
         return
+    if not (_is_directory(staging) or os.path.islink(staging)):  # a file never replaces a directory: none wrote it
+        raise IsADirectoryError(errno.EISDIR, "A checkpoint file would replace this directory, which holds no "
+                                "checkpoint of this fit: it is left as it is, remove or rename it", filepath)
     retired = _retired_path(filepath)
     _remove(retired)  # normally released already, before this write began
     if supports_exchange(os.path.dirname(os.path.abspath(filepath))):

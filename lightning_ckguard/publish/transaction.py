@@ -70,7 +70,11 @@ class BoundaryTransaction:
     def admit(self) -> None:
         """Call before each file operation: the first one agrees; a rejected boundary unwinds the hook."""
         if self.accepted is None:
-            self.accepted = self._agree()
+            try:
+                self.accepted = self._agree()
+            except BaseException:
+                self._held_lines.drop()  # an earlier write's failure, raised here: this boundary did nothing
+                raise
             if self.accepted:
                 self._held_lines.release()  # what ModelCheckpoint said before its first write, said before it
                 self._writer.open(self.before)

@@ -378,3 +378,16 @@ def test_recover_resolves_leftovers_in_subdirectories_and_follows_no_link(tmp_pa
     _checkpoint_dir(dirpath / "sub" / ".model.ckpt.ckguard-retired", "replaced")
     assert release_all_retired(str(dirpath)) == [str(dirpath / "sub" / ".model.ckpt.ckguard-retired")]
     assert sorted(os.listdir(dirpath / "sub")) == ["deeper", "model.ckpt"]
+
+
+def test_a_checkpoint_file_never_replaces_a_directory_it_did_not_write(tmp_path):
+    # a directory of the user's at the checkpoint's name: ModelCheckpoint writes into it; swapping it out would delete
+    # data no fit wrote, so the publication is refused (held, then raised) and the directory is left as it is
+    users = tmp_path / "last.ckpt"
+    users.mkdir()
+    (users / "notes.txt").write_text("user data")
+    with pytest.raises(IsADirectoryError, match="left as it is"):
+        _fit(str(tmp_path), FiniteGradCheckpoint, directories=False, save_top_k=0, save_last=True,
+             enable_version_counter=False)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    assert os.listdir(users) == ["notes.txt"] and (users / "notes.txt").read_text() == "user data"
