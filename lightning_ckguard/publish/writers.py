@@ -190,8 +190,11 @@ class StagedWriter(_HoldsFailures):
     def save(self, filepath: str, write: Write) -> None:
         staging = staging_path(filepath)
         rank_zero = is_rank_zero(self._collective)
-        if rank_zero:
-            self._storage.release_retired(filepath)  # at most two copies of a name at a time
+        if rank_zero and self._held is None:  # at most two copies of a name at a time
+            # a failure (a reader's file held open inside it, on NFS) is held like a failed move: this boundary is
+            # not put in place, and every rank raises at the next agreement, not rank 0 alone here
+            if not self._hold_failure_of(partial(self._storage.release_retired, filepath), filepath, unpublished=True):
+                _remove_all(self._created, discard)
         try:
             write(staging, self._flush_written)
         except BaseException:

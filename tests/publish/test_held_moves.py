@@ -15,8 +15,9 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+import lightning_ckguard.publish.storage as storage_module
 from conftest import OUT
-from helpers import QUIET, FaultyModel, ledger_state, refuse_moves_to, tree_digest
+from helpers import QUIET, DirectoryCheckpointStrategy, FaultyModel, ledger_state, refuse_moves_to, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
 
 EPOCHS = dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
@@ -131,3 +132,27 @@ def test_a_failed_eviction_on_rank_0_raises_on_every_rank_at_the_next_agreement(
     rank0 = ranks[0]["evict-fails"]
     assert rank0["tree"] == rank0["snapshots"]["5"]["tree"]
     assert sorted(rank0["tree"]) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+
+
+def test_a_retired_copy_rank_0_cannot_release_is_held_like_a_refused_move(tmp_path, monkeypatch):
+    # epoch 2 writes `last` again, and rank 0 first releases the copy kept for readers of the one before: that fails
+    # (a reader's file held open in it, on NFS). Held, not raised on rank 0 alone: nothing of the boundary is put in
+    # place, and the next agreement raises it with the ledger of epoch 1
+    def busy(path: str) -> None:
+        raise OSError(errno.EBUSY, "Device or resource busy (injected)", path)
+
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
+    model = FaultyModel(val_losses=[3.0, 2.0, 1.0, 0.5], snapshot_steps=[5])  # step 5: before epoch 2's boundary
+    model.on_train_epoch_start = lambda: (  # type: ignore[method-assign]
+        monkeypatch.setattr(storage_module, "release_retired", busy) if model.current_epoch == 2 else None)
+    seed_everything(0)
+    trainer = Trainer(strategy=DirectoryCheckpointStrategy(), callbacks=[callback], **QUIET,
+                      **dict(EPOCHS, max_epochs=4))
+    with pytest.raises(OSError, match="injected"):
+        trainer.fit(model)
+    monkeypatch.undo()
+    assert trainer.current_epoch == 3, "raised at the next boundary's agreement, on every rank alike, not at once"
+    before = model.snapshots[5]
+    assert ledger_state(callback) == before["state"], "the ledger was not rolled back to the published one"
+    published = {name: entry for name, entry in before["tree"].items() if not name.startswith(".")}
+    assert tree_digest(str(tmp_path)) == published, "something of the failed boundary is left"  # copies released
