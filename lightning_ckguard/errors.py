@@ -283,7 +283,22 @@ def _rebuild_refused(fields: dict[str, Any]) -> RewindRefusedError:
     return RewindRefusedError(**fields)
 
 
-class CheckpointWriteError(_ComparedByValue, RuntimeError):
+class _FailedOnRanks(_ComparedByValue, RuntimeError):
+    """An operation on one checkpoint that failed on some ranks, told to every rank: the ranks, the path, the first
+    failing rank's error, and the message that names them."""
+
+    def __init__(self, ranks: Sequence[int], filepath: str, cause: str | None, action: str, outcome: str) -> None:
+        self.ranks: tuple[int, ...] = tuple(ranks)
+        self.filepath = filepath
+        self.cause = cause
+        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
+        super().__init__(
+            f"{action} the checkpoint {filepath} failed on {rank_word} {', '.join(map(str, self.ranks))}: {cause}. "
+            + outcome
+        )
+
+
+class CheckpointWriteError(_FailedOnRanks):
     """Raised on the ranks whose own write succeeded when another rank failed to write a checkpoint.
 
     The failing ranks raise their original error (e.g. ``OSError: No space left on device``). Either way, every rank
@@ -298,17 +313,12 @@ class CheckpointWriteError(_ComparedByValue, RuntimeError):
     """
 
     def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None, removal: bool = False) -> None:
-        self.ranks: tuple[int, ...] = tuple(ranks)
-        self.filepath = filepath
-        self.cause = cause
         self.removal = removal
-        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
-        what, outcome = ("Removing", "The checkpoints written before it were published; it stays on disk.") if (
-            removal) else ("Writing", "Nothing was published for it on any rank.")
-        super().__init__(
-            f"{what} the checkpoint {filepath} failed on {rank_word} {', '.join(map(str, self.ranks))}: {cause}. "
-            + outcome
-        )
+        if removal:
+            super().__init__(ranks, filepath, cause, "Removing",
+                             "The checkpoints written before it were published; it stays on disk.")
+        else:
+            super().__init__(ranks, filepath, cause, "Writing", "Nothing was published for it on any rank.")
 
     def _key(self) -> tuple[tuple[int, ...], str, str | None, bool]:
         return (self.ranks, self.filepath, self.cause, self.removal)
@@ -322,8 +332,7 @@ def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None,
     return CheckpointWriteError(ranks=ranks, filepath=filepath, cause=cause, removal=removal)
 
 
-
-class CheckpointRestoreError(_ComparedByValue, RuntimeError):
+class CheckpointRestoreError(_FailedOnRanks):
     """Raised on every rank, with the same fields, when restoring a checkpoint in place
     (:func:`~lightning_ckguard.restore_fabric_state`) failed on some rank; on a failing rank it is raised from that
     rank's own error.
@@ -338,15 +347,8 @@ class CheckpointRestoreError(_ComparedByValue, RuntimeError):
     """
 
     def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None) -> None:
-        self.ranks: tuple[int, ...] = tuple(ranks)
-        self.filepath = filepath
-        self.cause = cause
-        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
-        super().__init__(
-            f"Restoring the checkpoint {filepath} failed on {rank_word} {', '.join(map(str, self.ranks))}: {cause}. "
-            "The other ranks restored it, so the ranks no longer hold the same state: restore again on every rank, "
-            "or stop."
-        )
+        super().__init__(ranks, filepath, cause, "Restoring", "The other ranks restored it, so the ranks no longer "
+                         "hold the same state: restore again on every rank, or stop.")
 
     def _key(self) -> tuple[tuple[int, ...], str, str | None]:
         return (self.ranks, self.filepath, self.cause)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 
-from lightning_ckguard._distributed import is_rank_zero, require_collective
+from lightning_ckguard._distributed import default_collective, is_rank_zero, require_collective
 from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.durability import durability
@@ -77,8 +77,8 @@ class CheckpointPublisher:
     Args:
         collective: A Fabric strategy (``fabric.strategy``: its process group and timeout apply, and its own
             ``save_checkpoint`` writes, sharded strategies included), a ``torch.distributed`` process group (rank 0
-            of it writes with ``torch.save``), or ``None``: the default process group when one is initialized, else a
-            single process.
+            of it writes with ``torch.save``), or ``None``: the default process group when one is initialized with
+            peers, else a single process.
         dirpath: The directory the checkpoints are published in: a local path (created if needed; what an
             interrupted publication left there, a staging entry or a name renamed aside, is recovered on rank 0), or
             an object-storage URL such as ``"s3://bucket/run"``.
@@ -88,8 +88,9 @@ class CheckpointPublisher:
             ``dirpath``: the data flushed before the rename, the directory after it); ``False`` for scratch storage.
 
     Raises:
-        ValueError: If ``dirpath`` is not a path or URL, ``guard`` is not a ``GradientGuard``, ``durable`` is not a
-            bool, or ``dirpath`` is on object storage and ``collective`` a strategy that writes through local paths.
+        ValueError: If ``collective`` is none of these, ``dirpath`` is not a path or URL, ``guard`` is not a
+            ``GradientGuard``, ``durable`` is not a bool, or ``dirpath`` is on object storage and ``collective`` a
+            strategy that writes through local paths.
     """
 
     def __init__(self, collective: Any, dirpath: str | os.PathLike[str], *, guard: GradientGuard | None = None,
@@ -101,9 +102,8 @@ class CheckpointPublisher:
         if not isinstance(durable, bool):
             raise ValueError(f"`durable` must be a bool, got {durable!r} ({type(durable).__name__}).")
         require_collective(collective)  # anything else would publish as a single process on every rank
-        if collective is None and dist.is_available() and dist.is_initialized():
-            collective = ProcessGroupCollectives()
-        elif isinstance(collective, dist.ProcessGroup):
+        collective = default_collective(collective)  # None with peers: the default group, as for the guard
+        if isinstance(collective, dist.ProcessGroup):
             collective = ProcessGroupCollectives(collective)
         self.collective = collective
         self.dirpath = os.fspath(dirpath)

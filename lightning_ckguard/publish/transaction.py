@@ -55,15 +55,16 @@ class BoundaryTransaction:
         before: Its ledger before the hook, what a rejection restores and a failed write rolls back to.
         agree: Joins the agreement (every rank, at the same point) and returns whether the boundary is accepted.
         writer: The fit's writer, opened for this boundary once it is accepted.
+        held_lines: The rank-zero lines held back while the hook runs: logged on acceptance, dropped otherwise.
     """
 
     def __init__(self, checkpoint: Any, before: Ledger, agree: Callable[[], bool], writer: BoundaryWriter,
-                 held_lines: _HeldLines | None = None) -> None:
+                 held_lines: _HeldLines) -> None:
         self.checkpoint = checkpoint
         self.before = before
         self._agree = agree
         self._writer = writer
-        self._held_lines = held_lines if held_lines is not None else _HeldLines()
+        self._held_lines = held_lines
         self.accepted: bool | None = None  # None until the first file operation
         self.created: list[str] = []
 

@@ -193,8 +193,7 @@ class StagedWriter(_HoldsFailures):
         if rank_zero and self._held is None:  # at most two copies of a name at a time
             # a failure (a reader's file held open inside it, on NFS) is held like a failed move: this boundary is
             # not put in place, and every rank raises at the next agreement, not rank 0 alone here
-            if not self._hold_failure_of(partial(self._storage.release_retired, filepath), filepath, unpublished=True):
-                _remove_all(self._created, discard)
+            self._hold_unpublishing(partial(self._storage.release_retired, filepath), filepath)
         try:
             write(staging, self._flush_written)
         except BaseException:
@@ -227,11 +226,18 @@ class StagedWriter(_HoldsFailures):
             discard(staging)
             return
         new = not os.path.lexists(filepath)
-        if not self._hold_failure_of(put, filepath, unpublished=True):
+        if not self._hold_unpublishing(put, filepath):
             discard(staging)
-            _remove_all(self._created, discard)  # what this boundary created, on rank 0 alone
         elif new:
             self._created.append(filepath)
+
+    def _hold_unpublishing(self, act: Callable[[], None], path: str) -> bool:
+        """Run ``act``, rank 0's step towards publishing ``path``; a failure is held with the boundary unpublished,
+        and what the boundary created is removed (on rank 0 alone). Returns whether it succeeded."""
+        if self._hold_failure_of(act, path, unpublished=True):
+            return True
+        _remove_all(self._created, discard)
+        return False
 
     def _move_into_place(self, staging: str, filepath: str) -> None:
         """The rename, then the flush of the directory that holds the name: before any eviction in it."""

@@ -107,8 +107,7 @@ class StepValues:
         value is every rank's. A step that was not finite and not left out makes its whole slot not judged."""
         self._complete_step(sharded, replicated, invalid)
         self._place(self._step, step, left_out)
-        self._step.zero_()
-        self._loss_given = False
+        self._start_next_step()
 
     def hold_step(self, sharded: Tensor | None, replicated: Tensor | None, invalid: Tensor) -> Tensor:
         """:meth:`record_step` for a step whose outcome comes later (DeepSpeed tells after the step whether it skipped
@@ -116,8 +115,7 @@ class StepValues:
         :meth:`place_step` writes it into its slot."""
         self._complete_step(sharded, replicated, invalid)
         held = self._step.clone()
-        self._step.zero_()
-        self._loss_given = False
+        self._start_next_step()
         return held
 
     def place_step(self, held: Tensor, step: int, left_out: Tensor | bool | None = None) -> None:
@@ -133,6 +131,11 @@ class StepValues:
         self._step_rows[INVALID].copy_(invalid)
         if not self._loss_given:
             self._step_rows[LOSS].fill_(-math.inf)
+
+    def _start_next_step(self) -> None:
+        """The next step starts with no values and no loss given."""
+        self._step.zero_()
+        self._loss_given = False
 
     def _place(self, step_values: Tensor, step: int, left_out: Tensor | bool | None) -> None:
         slot = self._next_slot(step)
