@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import importlib.util
@@ -329,6 +330,20 @@ class CountOps(TorchDispatchMode):
     @property
     def host_reads(self) -> int:
         return sum(1 for n in self.names if n.split(".")[0] in HOST_READS)
+
+
+def refuse_removal_of_epoch_0(path: Any) -> None:
+    """Fail like a busy file (``EBUSY``, as on NFS while a reader holds it) for a checkpoint named ``epoch=0...``."""
+    if os.path.basename(str(path)).startswith("epoch=0"):
+        raise OSError(errno.EBUSY, "Device or resource busy (injected)", str(path))
+
+
+class BusyRemovalIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO (staged writes), whose removal of epoch 0's checkpoint fails."""
+
+    def remove_checkpoint(self, path: Any) -> None:
+        refuse_removal_of_epoch_0(path)
+        super().remove_checkpoint(path)
 
 
 class FailingIO(TorchCheckpointIO):

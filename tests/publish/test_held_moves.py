@@ -13,11 +13,19 @@ import pytest
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import lightning_ckguard.publish.storage as storage_module
 from conftest import OUT
-from helpers import QUIET, DirectoryCheckpointStrategy, FaultyModel, ledger_state, refuse_moves_to, tree_digest
+from helpers import (
+    QUIET,
+    BusyRemovalIO,
+    DirectoryCheckpointStrategy,
+    FaultyModel,
+    ledger_state,
+    refuse_moves_to,
+    refuse_removal_of_epoch_0,
+    tree_digest,
+)
 from lightning_ckguard import FiniteGradCheckpoint
 
 EPOCHS = dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
@@ -61,20 +69,6 @@ def test_a_refused_move_at_the_last_boundary_is_raised_at_train_end(tmp_path):
     assert ledger_state(callback) == before["state"]
     assert tree_digest(str(tmp_path)) == before["tree"]
     assert callback.best_model_path == str(tmp_path / "epoch=1-step=4.ckpt")
-
-
-def refuse_removal_of_epoch_0(path: Any) -> None:
-    """Fail like a busy file (``EBUSY``, as on NFS while a reader holds it) for a checkpoint named ``epoch=0...``."""
-    if os.path.basename(str(path)).startswith("epoch=0"):
-        raise OSError(errno.EBUSY, "Device or resource busy (injected)", str(path))
-
-
-class BusyRemovalIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO (staged writes), whose removal of epoch 0's checkpoint fails."""
-
-    def remove_checkpoint(self, path: Any) -> None:
-        refuse_removal_of_epoch_0(path)
-        super().remove_checkpoint(path)
 
 
 class OwnBusyRemovalIO(CheckpointIO):

@@ -11,7 +11,6 @@ as they were before epoch 2's boundary (step 5).
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 import warnings
@@ -22,24 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FaultyModel, fit_outcome, ledger_state, run_scenarios, tree_digest  # noqa: E402
+from helpers import QUIET, BusyRemovalIO, FaultyModel, fit_outcome, ledger_state, run_scenarios, tree_digest  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 TIMEOUT = timedelta(seconds=60)
-
-
-class BusyRemovalIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO, whose removal of a checkpoint named ``epoch=0...`` fails like a busy file."""
-
-    def remove_checkpoint(self, path: Any) -> None:
-        if os.path.basename(str(path)).startswith("epoch=0"):
-            raise OSError(errno.EBUSY, "Device or resource busy (injected)", str(path))
-        super().remove_checkpoint(path)
 
 
 def evict_fails(root: str) -> dict[str, Any]:
