@@ -26,7 +26,7 @@ from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientErro
 from lightning_ckguard.publish.ledger import Ledger
 
 # from `lightning.pytorch`, or from `pytorch_lightning` in a worker run with CKGUARD_TEST_LIGHTNING=pytorch_lightning
-# (tests/lightning_namespace.py): FaultyModel, CountingStrategy and FailingIO then belong to that package's Trainer
+# (tests/lightning_namespace.py): FaultyModel, CountingStrategy and hook_writes then belong to that package's Trainer
 ModelCheckpoint = lightning_module("callbacks").ModelCheckpoint
 BoringModel = lightning_module("demos.boring_classes").BoringModel
 TorchCheckpointIO = lightning_module("plugins.io").TorchCheckpointIO
@@ -346,16 +346,48 @@ class BusyRemovalIO(TorchCheckpointIO):
         super().remove_checkpoint(path)
 
 
-class FailingIO(TorchCheckpointIO):
-    """Real torch checkpoint IO that fails like a full disk for paths containing ``fail_on``."""
+def hook_writes(before: Callable[[str], None] | None = None,
+                after: Callable[[str], None] | None = None) -> Callable[[], None]:
+    """From now on, Lightning's ``TorchCheckpointIO`` in this process (any thread) runs ``before(path)`` before it
+    writes a file and ``after(path)`` once it is written, ``path`` being what it was given (a staging name when the
+    guard stages). Returns what undoes it.
+
+    Faults and timings go in below ``save_checkpoint``, where a disk's would: the guard stages only Lightning's own
+    ``save_checkpoint`` (a user's override gets the real name), so a test double overriding it would test the other
+    write path."""
+    module = sys.modules[TorchCheckpointIO.__module__]
+    write = module._atomic_save
+
+    def hooked(checkpoint: dict[str, Any], filepath: Any) -> None:
+        if before is not None:
+            before(str(filepath))
+        write(checkpoint, filepath)
+        if after is not None:
+            after(str(filepath))
+
+    module._atomic_save = hooked
+    return lambda: setattr(module, "_atomic_save", write)
+
+
+class FailingWrites:
+    """While entered, every checkpoint file Lightning's ``TorchCheckpointIO`` writes in this process whose name
+    contains :attr:`fail_on` (which a test may change on the way) fails like a full disk (:func:`hook_writes`)."""
 
     def __init__(self, fail_on: str) -> None:
         self.fail_on = fail_on
+        self._undo: Callable[[], None] | None = None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        if self.fail_on in os.path.basename(str(path)):
-            raise OSError(28, "No space left on device", str(path))
-        super().save_checkpoint(checkpoint, path, storage_options)
+    def _fail(self, path: str) -> None:
+        if self.fail_on in os.path.basename(path):
+            raise OSError(28, "No space left on device", path)
+
+    def __enter__(self) -> FailingWrites:
+        self._undo = hook_writes(before=self._fail)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self._undo is not None
+        self._undo()
 
 
 def refuse_moves_to(name: str) -> Callable[[], None]:

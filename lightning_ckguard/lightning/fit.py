@@ -449,25 +449,35 @@ def _dirpath(checkpoint: Any) -> str | None:
 def _writer_for(checkpoint: Any, trainer: Any, storage: Storage, background: bool = True) -> Writer:
     """The fit's write path. In the background under Lightning's ``AsyncCheckpointIO`` (a subclass too) over its
     ``TorchCheckpointIO``, for single files in a local ``dirpath``; staged for what Lightning writes itself into a
-    local ``dirpath`` (its ``TorchCheckpointIO``, or a strategy that writes directories); else as given. Only a fit
-    ``setup`` announced (``background``) publishes in the background: one driven by hand has no teardown."""
+    local ``dirpath`` (its ``TorchCheckpointIO``'s own ``save_checkpoint``, or a strategy that writes directories);
+    else as given. Only a fit ``setup`` announced (``background``) publishes in the background: one driven by hand has
+    no teardown."""
     package, strategy = checkpoint._lightning, trainer.strategy
     plugin = strategy.checkpoint_io
     through_lightning = PublicationSeal.writes_through_lightning(trainer)
     in_background = (
         background
         and isinstance(plugin, package.async_checkpoint_io)
-        and isinstance(plugin.checkpoint_io, package.torch_checkpoint_io)
+        and _writes_as_lightning(plugin.checkpoint_io, package)
         and hasattr(plugin, "_checkpoint_io")
         and not writes_directories(strategy)
         and through_lightning
         and checkpoint.dirpath is not None
         and storage.stages_writes
     )
-    staged_io = writes_directories(strategy) or isinstance(plugin, package.torch_checkpoint_io)
+    staged_io = writes_directories(strategy) or _writes_as_lightning(plugin, package)
     return choose_writer(strategy, storage, durability(checkpoint.durable),
                          in_background=plugin if in_background else None, writes_through_lightning=through_lightning,
                          staged_io=staged_io)
+
+
+def _writes_as_lightning(io: Any, package: Any) -> bool:
+    """Whether ``io`` saves by Lightning's own ``TorchCheckpointIO.save_checkpoint``: it writes exactly the path it
+    is given and nothing else, so a staging name stays invisible. A user's override (a sidecar file beside the
+    checkpoint, an upload, a log line naming the path) gets the real name, as under ``ModelCheckpoint``."""
+    own = package.torch_checkpoint_io.save_checkpoint
+    save = getattr(io, "save_checkpoint", None)
+    return isinstance(io, package.torch_checkpoint_io) and getattr(save, "__func__", None) is own
 
 
 __all__ = ["Decisions", "GuardedFit", "drop_missing_checkpoints", "link_in_boundary", "own_transaction"]

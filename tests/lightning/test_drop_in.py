@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO
 
 from helpers import QUIET, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
@@ -113,6 +113,44 @@ def test_a_checkpoint_io_of_the_users_own_gets_the_real_paths(tmp_path):
         listings[cls] = (sorted(os.listdir(root)), os.path.basename(callback.best_model_path))
     assert listings[FiniteGradCheckpoint] == listings[ModelCheckpoint]
     assert listings[ModelCheckpoint] == (["epoch=1-step=4.ckpt.mapped", "last.ckpt.mapped"], "epoch=1-step=4.ckpt")
+
+
+class SidecarIO(TorchCheckpointIO):
+    """A user's subclass of Lightning's checkpoint IO: ``super()`` writes, then a sidecar goes beside the path it was
+    given (a digest, a manifest), and the path is recorded (as an uploader would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        with open(f"{path}.json", "w") as sidecar:
+            sidecar.write(f'{{"global_step": {checkpoint["global_step"]}}}')
+        self.paths.append(os.path.basename(str(path)))
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        os.remove(f"{path}.json")
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_subclass_of_lightnings_checkpoint_io_that_overrides_save_gets_the_real_paths(tmp_path, background):
+    """Only Lightning's own ``save_checkpoint`` is written to a staging name: an override sees the name
+    ``ModelCheckpoint`` gives it, and what it puts beside the checkpoint lands there, not in a hidden staging entry."""
+    seen = {}
+    for cls in (ModelCheckpoint, FiniteGradCheckpoint):
+        root = tmp_path / cls.__name__
+        callback = cls(dirpath=root, monitor="val_loss", save_top_k=1, save_last=True)
+        io = SidecarIO()
+        seed_everything(0)
+        trainer = _trainer(callback, 3, plugins=[AsyncCheckpointIO(io) if background else io])
+        trainer.fit(FaultyModel(val_losses=LOSSES))
+        trainer.strategy.checkpoint_io.teardown()  # AsyncCheckpointIO: wait for its thread
+        seen[cls] = (sorted(os.listdir(root)), io.paths, os.path.basename(callback.best_model_path))
+    assert seen[FiniteGradCheckpoint] == seen[ModelCheckpoint]
+    assert seen[ModelCheckpoint][0] == ["epoch=1-step=4.ckpt", "epoch=1-step=4.ckpt.json", "last.ckpt",
+                                        "last.ckpt.json"]
 
 
 def test_the_trainer_gets_its_own_save_checkpoint_back_after_fit(tmp_path):

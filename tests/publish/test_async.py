@@ -7,8 +7,10 @@ background write in ``test_crash.py``; the plugin's own calls against ``ModelChe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 import lightning_ckguard.publish.background as background
-from helpers import QUIET, FailingIO, FaultyModel, SleepsAtStep
+from helpers import QUIET, FailingWrites, FaultyModel, SleepsAtStep, hook_writes
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.publish.staging import published_path
 
@@ -26,15 +28,21 @@ WRITE_SECONDS = 0.25
 
 
 class SlowIO(TorchCheckpointIO):
-    """Torch checkpoint IO whose writes take ``WRITE_SECONDS``, recording writes and removals in ``events``."""
+    """Torch checkpoint IO whose writes take ``WRITE_SECONDS`` while :meth:`slow` is entered, recording writes and
+    removals in ``events``. The writes are slowed below ``save_checkpoint`` (:func:`hook_writes`): the guard stages
+    only Lightning's own."""
 
     def __init__(self, events: list[tuple[str, Any]]) -> None:
         self.events = events
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        time.sleep(WRITE_SECONDS)
-        super().save_checkpoint(checkpoint, path, storage_options)
-        self.events.append(("written", os.path.basename(published_path(str(path)))))
+    @contextlib.contextmanager
+    def slow(self) -> Iterator[None]:
+        undo = hook_writes(before=lambda path: time.sleep(WRITE_SECONDS), after=lambda path: self.events.append(
+            ("written", os.path.basename(published_path(path)))))
+        try:
+            yield
+        finally:
+            undo()
 
     def remove_checkpoint(self, path: Any) -> None:
         super().remove_checkpoint(path)
@@ -83,7 +91,9 @@ def test_boundaries_publish_in_acceptance_order_after_their_write_while_training
 
     monkeypatch.setattr(background, "move_into_place", recorded_move)
     callback = FiniteGradCheckpoint(**_newest_two(tmp_path, save_last=save_last))
-    _fit(tmp_path, AsyncCheckpointIO(SlowIO(events)), callback, extra=[StepEnds(events)])
+    io = SlowIO(events)
+    with io.slow():
+        _fit(tmp_path, AsyncCheckpointIO(io), callback, extra=[StepEnds(events)])
     # the step did not wait: training reached its last step before the first write was done, three boundaries queued
     assert events.index(("step", 6)) < events.index(("written", "step=2.ckpt"))
     storage = [event for event in events if event[0] != "step"]
@@ -126,8 +136,8 @@ def test_a_failed_background_write_raises_by_the_next_boundary_and_the_ledger_re
     callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="{step}", monitor="step", mode="max", save_top_k=1,
                                     every_n_train_steps=2)
     steps = StepEnds([], tmp_path)
-    with pytest.raises(OSError, match="No space left on device"):
-        _fit(tmp_path, AsyncCheckpointIO(FailingIO(failing)), callback, extra=[steps],
+    with FailingWrites(failing), pytest.raises(OSError, match="No space left on device"):
+        _fit(tmp_path, AsyncCheckpointIO(), callback, extra=[steps],
              model=SleepsAtStep(4), max_steps=6 if failing == "step=6" else 8)
     # step 4's failure: raised at step 6's boundary (which published nothing), not later
     assert steps.events[-1] == ("step", 6)
@@ -146,10 +156,10 @@ def test_model_checkpoint_with_async_checkpoint_io_loses_the_evicted_checkpoint_
     callback = ModelCheckpoint(dirpath=tmp_path, filename="{step}", monitor="step", mode="max", save_top_k=1,
                                every_n_train_steps=2)
     steps = StepEnds([], tmp_path)
-    with pytest.raises(OSError, match="No space left on device"):
+    with FailingWrites("step=4"), pytest.raises(OSError, match="No space left on device"):
         # the pause at step 3 lets step 2's write finish before step 4's boundary removes it: else the removal can
         # come first, and the write leaves the file behind afterwards
-        _fit(tmp_path, AsyncCheckpointIO(FailingIO("step=4")), callback, extra=[steps], model=SleepsAtStep(3, 4),
+        _fit(tmp_path, AsyncCheckpointIO(), callback, extra=[steps], model=SleepsAtStep(3, 4),
              max_steps=8)
     assert steps.listings[5] == []
 

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import QUIET, FailingIO, FaultyModel, ledger_state, tree_digest
+from helpers import QUIET, FailingWrites, FaultyModel, ledger_state, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.publish.ledger import Ledger
 
@@ -35,13 +35,13 @@ def test_failed_serialization_rolls_back_and_keeps_evicted_file(failing, tmp_pat
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
     model = FaultyModel(val_losses=[3.0, 2.0, 1.0], snapshot_steps=[3])
     seed_everything(0)
-    trainer = Trainer(callbacks=[callback], plugins=[FailingIO(fail_on=failing)], **QUIET, **EPOCHS)
-    if failing == "last":
-        # let epoch 0 write its `last` before the disk "fills up"
-        trainer.strategy.checkpoint_io.fail_on = "never"
-        model.on_train_epoch_start = lambda: setattr(  # type: ignore[method-assign]
-            trainer.strategy.checkpoint_io, "fail_on", "last" if trainer.current_epoch == 1 else "never")
-    with pytest.raises(OSError, match="No space left"):
+    trainer = Trainer(callbacks=[callback], **QUIET, **EPOCHS)
+    with FailingWrites(failing) as disk, pytest.raises(OSError, match="No space left"):
+        if failing == "last":
+            # let epoch 0 write its `last` before the disk "fills up"
+            disk.fail_on = "never"
+            model.on_train_epoch_start = lambda: setattr(  # type: ignore[method-assign]
+                disk, "fail_on", "last" if trainer.current_epoch == 1 else "never")
         trainer.fit(model)
     before = model.snapshots[3]
     assert ledger_state(callback) == before["state"], "the ledger was not rolled back"
@@ -75,8 +75,8 @@ def test_a_failed_write_still_logs_the_lines_model_checkpoint_logged_before_it(c
     # as the boundary was not rejected, reaches the log like ModelCheckpoint's own would
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, verbose=True)
     seed_everything(0)
-    trainer = Trainer(callbacks=[callback], plugins=[FailingIO(fail_on="epoch=0")], **QUIET, **EPOCHS)
-    with caplog.at_level("INFO"), pytest.raises(OSError, match="No space left"):
+    trainer = Trainer(callbacks=[callback], **QUIET, **EPOCHS)
+    with FailingWrites("epoch=0"), caplog.at_level("INFO"), pytest.raises(OSError, match="No space left"):
         trainer.fit(FaultyModel(val_losses=[3.0, 2.0, 1.0]))
     saving = [r.getMessage() for r in caplog.records if "saving model to" in r.getMessage()]
     assert len(saving) == 1 and "epoch=0-step=2.ckpt" in saving[0], saving

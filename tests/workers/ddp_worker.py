@@ -15,6 +15,7 @@ with ``from lightning_ckguard.pytorch_lightning import FiniteGradCheckpoint`` wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -31,7 +32,7 @@ from strategies import make_strategy  # noqa: E402
 
 from helpers import (  # noqa: E402
     QUIET,
-    FailingIO,
+    FailingWrites,
     FaultyModel,
     ModelCheckpoint,
     fit_outcome,
@@ -96,18 +97,19 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
     model = FaultyModel(fault_steps=fault_steps, fault_batches=fault_batches, fault_ranks=(1,), zero1=zero1,
                         **model_kwargs)
     callbacks = [EMAWeightAveraging(decay=0.5), callback] if config == "ema_best" else [callback]
-    # under DDP only rank 0 writes, so a full disk there is the failure its peers cannot see
-    plugins = [FailingIO(fail_on=fail_write)] if fail_write else None
     trainer = Trainer(
         strategy=make_strategy("zero1" if zero1 else "ddp", timeout=TIMEOUT), devices=DEVICES, callbacks=callbacks,
-        plugins=plugins, **QUIET, **trainer_kwargs
+        **QUIET, **trainer_kwargs
     )
     if refuse_move:  # rank 0's rename into place, after the boundary's last collective
         model.on_train_epoch_start = lambda: (  # type: ignore[method-assign]
             undo.append(refuse_moves_to(refuse_move)) if trainer.current_epoch == 1 else None)
     undo: list[Callable[[], None]] = []
+    # under DDP only rank 0 writes, so a full disk there is the failure its peers cannot see
+    failing = FailingWrites(fail_write) if fail_write else contextlib.nullcontext()
     try:
-        result = fit_outcome(lambda: trainer.fit(model), write_errors=True)
+        with failing:
+            result = fit_outcome(lambda: trainer.fit(model), write_errors=True)
     finally:
         for restore in undo:
             restore()

@@ -20,6 +20,7 @@ Each rank writes ``OUT_DIR/rank{N}.json``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -39,7 +40,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, FailingIO, FaultyModel, SleepsAtStep, ledger_state, run_scenarios  # noqa: E402
+from helpers import QUIET, FailingWrites, FaultyModel, SleepsAtStep, ledger_state, run_scenarios  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -114,12 +115,12 @@ def async_scenario(strategy: str, out: str, failing: str | None, max_steps: int)
     dirpath = os.path.join(out, f"async-{failing}")
     callback = FiniteGradCheckpoint(dirpath=dirpath, filename="{step}", monitor="step", mode="max",
                                     save_top_k=1 if failing else 2, save_last=failing is None, every_n_train_steps=2)
-    io = AsyncCheckpointIO(FailingIO(failing) if failing else None)
-    trainer = _trainer(strategy, [callback], max_steps=max_steps, plugins=[io])
+    trainer = _trainer(strategy, [callback], max_steps=max_steps, plugins=[AsyncCheckpointIO()])
     seed_everything(7)
     result: dict[str, Any] = {"error": None}
     try:
-        trainer.fit(SleepsAtStep(4))
+        with FailingWrites(failing) if failing else contextlib.nullcontext():
+            trainer.fit(SleepsAtStep(4))
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"
         result["trace"] = traceback.format_exc()
