@@ -6,6 +6,7 @@ Public API:
 - :class:`NonFiniteGradientError`: raised on every rank when a boundary is rejected.
 - :class:`CheckpointWriteError`: raised on the other ranks when one rank failed to write an accepted checkpoint.
 - :class:`CheckpointRestoreError`: raised on every rank when :func:`restore_fabric_state` failed on some rank.
+- :class:`StateCheckError`: raised on every rank when checking the state about to be written raised on some rank.
 - :class:`BoundaryReport`: what the last boundary decided, readable (``FiniteGradCheckpoint.last_report``).
 - :class:`GradientGuard` and :class:`Verdict`: the recording and agreement core, usable without a Trainer.
 - :class:`CheckpointPublisher`: the callback's publication guarantees (agree, stage, write, agree on the write, one
@@ -30,6 +31,7 @@ from lightning_ckguard.errors import (
     NonFiniteGradientError,
     RewindRefusedError,
     Spike,
+    StateCheckError,
 )
 from lightning_ckguard.lightning.callback import FiniteGradCheckpoint
 from lightning_ckguard.record.skips import scaler_skip_flag
@@ -53,6 +55,7 @@ __all__ = [
     "RewindRefusedError",
     "Spike",
     "SpikeGate",
+    "StateCheckError",
     "Verdict",
     "restore_fabric_state",
     "restore_trainer_state",

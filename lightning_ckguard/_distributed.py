@@ -119,10 +119,21 @@ FAILING_RANKS = RankMap(8)
 
 
 def broadcast_value(strategy: Any, value: T, src: int = 0) -> T:
-    """``value`` as rank ``src`` has it, on every rank. Without peers, ``value`` itself."""
+    """``value`` as rank ``src`` has it, on every rank of ``strategy`` (a strategy, a process group's collectives, a
+    ``torch.distributed`` process group). Without peers, ``value`` itself."""
+    if isinstance(strategy, dist.ProcessGroup):
+        return broadcast_in_group(strategy, value, src) if dist.get_world_size(strategy) > 1 else value
     if not is_multiprocess(strategy):
         return value
     return strategy.broadcast(value, src=src)
+
+
+def broadcast_in_group(group: dist.ProcessGroup | None, value: T, src: int = 0) -> T:
+    """``value`` as rank ``src`` of ``group`` (None: the default group) has it, on every rank of ``group``."""
+    box = [value]
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast_object_list(box, src=global_src, group=group)
+    return box[0]
 
 
 def barrier(strategy: Any, name: str) -> None:
@@ -213,6 +224,7 @@ __all__ = [
     "agree_on_failure",
     "all_reduce_values",
     "barrier",
+    "broadcast_in_group",
     "broadcast_value",
     "describe_error",
     "failure_words",

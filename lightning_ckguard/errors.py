@@ -98,24 +98,15 @@ def rejection_text(
     rank_word = "rank" if len(ranks) + unnamed_ranks == 1 else "ranks"
     rank_list = ", ".join(str(r) for r in ranks) + (f" and {unnamed_ranks} more" if unnamed_ranks else "")
     causes: list[str] = []
-    skipped_named = False
     if num_steps > 0:
         causes.append(
             f"non-finite gradients were recorded on {rank_word} {rank_list} in "
             f"{_steps(first_step, last_step, num_steps)} since the last published checkpoint"
         )
-    elif skipped_steps > 0 and not non_finite_state:
-        skipped_named = True
+    elif not non_finite_state and not spikes:  # nothing else rejects: the weights of the previous rejection
         causes.append(
-            f"{skipped_steps} optimizer step(s) with non-finite gradients were skipped by the loss scaler or "
-            f"DeepSpeed on {rank_word} {rank_list} (steps {first_step} to {last_step}) and `count_skipped_steps=True`"
-        )
-    elif spikes:
-        pass  # the spikes say it, below
-    elif not non_finite_state:
-        causes.append(
-            f"the previous boundary on {rank_word} {rank_list} was rejected and no optimizer step has run since, "
-            "so the weights are still the rejected ones"
+            f"the previous boundary on {rank_word} {rank_list} was rejected and no optimizer step has been applied "
+            "since, so the weights are still the rejected ones"
         )
     if non_finite_state:  # next to the gradient history, if there is one
         causes.append(_state_cause(non_finite_state))
@@ -123,14 +114,26 @@ def rejection_text(
         causes.append(describe_spikes(spikes))
     text = f"Refusing to publish a checkpoint at global step {global_step}: {'; and '.join(causes)}."
     if parameters:
-        noun = "Offending parameters" if num_steps > 0 or skipped_named else "Parameters with non-finite gradients"
-        text += f" {noun}: {', '.join(parameters)}."
-    if skipped_steps and not skipped_named:
-        text += f" Another {skipped_steps} step(s) were skipped by the loss scaler or DeepSpeed and never applied."
+        text += f" {_parameters_noun(num_steps, skipped_steps)}: {', '.join(parameters)}."
+    if skipped_steps:
+        # whether they are among ``num_steps`` is the guard's `count_skipped_steps`, which the fields do not hold:
+        # said as a rule, so that no step is counted twice either way
+        text += (f" {skipped_steps} step(s) with non-finite gradients were skipped by the loss scaler or DeepSpeed and "
+                 "never applied; they count as non-finite steps only with `count_skipped_steps=True`.")
     return text + (
         " Nothing was written, deleted or linked for this boundary; the checkpoints already on disk are the last "
         "good ones."
     )
+
+
+def _parameters_noun(num_steps: int, skipped_steps: int) -> str:
+    """What the listed parameters are. A rank's record counts a parameter's non-finite steps, applied and skipped
+    alike: with skipped steps beside counted ones, a parameter may be non-finite only in a skipped one."""
+    if num_steps == 0:  # no counted step: the parameters come from the steps the loss scaler or DeepSpeed skipped
+        return "Parameters with non-finite gradients in the skipped steps"
+    if skipped_steps:
+        return "Parameters with non-finite gradients in these steps or in the skipped ones"
+    return "Offending parameters"
 
 
 class _ComparedByValue:
@@ -163,12 +166,17 @@ class NonFiniteGradientError(_ComparedByValue, RuntimeError):
             ranks within that group (``dist.get_global_rank(group, rank)`` maps them).
         first_step: First optimizer step (the value of ``trainer.global_step`` when it ran) with a non-finite gradient.
         last_step: Last such step.
-        num_steps: Number of non-finite optimizer steps in the window. Ranks count their own steps; this is the
-            largest count any rank saw, which is exact whenever the ranks saw the same steps.
+        num_steps: Number of non-finite optimizer steps in the window that count: the applied ones, and with
+            ``count_skipped_steps=True`` the skipped ones too. Ranks count their own steps; this is the largest count
+            any rank saw, which is exact whenever the ranks saw the same steps.
         global_step: The ``trainer.global_step`` of the rejected boundary.
-        parameters: Names of offending parameters, where the gradient source can attribute them.
-        skipped_steps: Steps that a loss scaler or DeepSpeed skipped (never applied) in the window.
-        pending_rejection: The previous boundary was rejected and no optimizer step has run since.
+        parameters: Names of parameters with non-finite gradients, where the gradient source can attribute them: of
+            the named ranks whose counted steps reject, when some do (a rank's record does not tell its applied steps
+            from its skipped ones, so a rank that had both may add parameters non-finite only in a skipped step);
+            else of the named ranks' skipped steps.
+        skipped_steps: Steps that a loss scaler or DeepSpeed skipped (never applied) in the window, whether they
+            count or not (the largest count any rank saw).
+        pending_rejection: The previous boundary was rejected and no optimizer step has been applied since.
         non_finite_state: ``(rank, tensor name)`` of each non-finite tensor in the state about to be written (e.g.
             ``(1, "buffer bn.running_var")``, ``(1, "optimizer: fp32 master partition of group 0")``); such a
             tensor rejects the boundary whatever the gradients were.
@@ -361,7 +369,43 @@ def _rebuild_restore_error(ranks: Sequence[int], filepath: str, cause: str | Non
     return CheckpointRestoreError(ranks=ranks, filepath=filepath, cause=cause)
 
 
+class StateCheckError(_ComparedByValue, RuntimeError):
+    """Raised on every rank, with the same fields, when checking the state a rank is about to write raised on some
+    rank (the check itself failed: a tensor left on the meta device, memory running out; a non-finite value rejects
+    instead). On a failing rank it is raised from that rank's own error.
+
+    Every rank still joined the agreement, so none waits for another in it; nothing was decided, written, deleted or
+    linked for the boundary, and the callback's state is what it was.
+
+    Attributes:
+        ranks: Ranks whose check raised (beyond eight ranks, the lowest of each eighth of the ranks).
+        global_step: The step of the boundary (``trainer.global_step``, or what :meth:`GradientGuard.agree` got).
+        cause: The first failing rank's error, as text.
+    """
+
+    def __init__(self, *, ranks: Sequence[int], global_step: int, cause: str | None) -> None:
+        self.ranks: tuple[int, ...] = tuple(ranks)
+        self.global_step = global_step
+        self.cause = cause
+        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
+        super().__init__(
+            f"Checking the state about to be written at global step {global_step} failed on {rank_word} "
+            f"{', '.join(map(str, self.ranks))}: {cause}. Nothing was written, deleted or linked for this boundary on "
+            "any rank."
+        )
+
+    def _key(self) -> tuple[tuple[int, ...], int, str | None]:
+        return (self.ranks, self.global_step, self.cause)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_state_check_error, self._key())
+
+
+def _rebuild_state_check_error(ranks: Sequence[int], global_step: int, cause: str | None) -> StateCheckError:
+    return StateCheckError(ranks=ranks, global_step=global_step, cause=cause)
+
+
 __all__ = [
     "MEASURES", "CheckpointRestoreError", "CheckpointWriteError", "NonFiniteGradientError", "RewindRefusedError",
-    "Spike", "describe_spikes", "rejection_text",
+    "Spike", "StateCheckError", "describe_spikes", "rejection_text",
 ]

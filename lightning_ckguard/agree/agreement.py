@@ -242,8 +242,14 @@ class Verdict:
 
     @property
     def parameters(self) -> tuple[str, ...]:
-        """Names of offending parameters reported by the named rejecting ranks, in parameter order."""
-        indices = sorted({i for r in self.reports if r.rejects(self.count_skipped_steps) for i in r.parameter_indices})
+        """Names of the parameters with non-finite gradients on the named rejecting ranks, in parameter order: of the
+        ranks whose counted steps reject, when some do, so that a rank named only for its state or a pending
+        rejection adds no parameter of the steps its loss scaler skipped; else of every named rank (skipped steps
+        only). A rank's record counts applied and skipped steps alike: one that had both may still add a skipped
+        step's parameter (the message says so)."""
+        rejecting = [r for r in self.reports if r.rejects(self.count_skipped_steps)]
+        counted = [r for r in rejecting if r.counted_steps(self.count_skipped_steps) > 0]
+        indices = sorted({i for r in counted or rejecting for i in r.parameter_indices})
         return tuple(self.parameter_names[i] if i < len(self.parameter_names) else f"<parameter {i}>" for i in indices)
 
     def report(self, boundary: str) -> BoundaryReport:

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_ckguard._distributed import all_reduce_values, default_collective, rank_and_world, require_collective
+from lightning_ckguard._distributed import (
+    all_reduce_values,
+    default_collective,
+    failure_words,
+    failures_from,
+    rank_and_world,
+    require_collective,
+)
 from lightning_ckguard.agree.agreement import (
     TALLY_SIZE,
     RankReport,
@@ -39,6 +46,7 @@ from lightning_ckguard.agree.agreement import (
     roll_call,
 )
 from lightning_ckguard.agree.spikes import SpikeCheck, SpikeGate, SpikeHistory, StepMeasures, global_values, judge
+from lightning_ckguard.errors import StateCheckError
 from lightning_ckguard.record.sources import GradientSource, ParameterGradients, unwrap_module
 from lightning_ckguard.record.squares import REPLICATED, SquaresLayout
 from lightning_ckguard.record.state_check import StateCheck
@@ -181,26 +189,47 @@ class GradientGuard:
         one more, of a fixed size, before them: the sum of every rank's step values."""
         require_collective(collective)
         collective = default_collective(collective)
-        state_tensors = named_state(state, constants=self._constant_buffers) if state is not None else None
-        window = self.window.summary()
-        device = window.device
-        summary: list[int] = torch.cat([window, self._state_check.summary(state_tensors, device)]).tolist()
+        summary, device, failure = self._own_summary(state)
         rank, world_size = rank_and_world(collective)
         spike_check = self._judge_spikes(collective, world_size)
         own = RankReport.from_summary(rank, summary)
-        words = [*ballot(own, world_size, self.count_skipped_steps), *carry]
+        words = [*ballot(own, world_size, self.count_skipped_steps), *carry, *failure_words(collective, failure)]
         reduced = all_reduce_values(collective, torch.tensor(words, dtype=torch.int64, device=device)).tolist()
+        step = self._steps_seen if global_step is None else global_step
+        self._raise_failed_check(collective, reduced[TALLY_SIZE + len(carry):], failure, step)
         tally = Tally.from_words(reduced[:TALLY_SIZE], world_size)
         roll = RollCall()
         if tally.rejects:  # only now, the names: every rank took the same branch from the same tally
             called = roll_call(own, summary, tally, self.count_skipped_steps)
             named = all_reduce_values(collective, torch.tensor(called, dtype=torch.int64, device=device), op="sum")
             roll = RollCall.from_words(named.tolist(), tally, len(summary))
-        step = self._steps_seen if global_step is None else global_step
         verdict = reach_verdict(tally, roll, step, self.source.parameter_names, self.count_skipped_steps, spike_check)
         if not verdict.accepted:
             self._accepted_window = None
-        return verdict, tuple(int(value) for value in reduced[TALLY_SIZE:])
+        return verdict, tuple(int(value) for value in reduced[TALLY_SIZE : TALLY_SIZE + len(carry)])
+
+    def _own_summary(self, state: Any) -> tuple[list[int], torch.device, Exception | None]:
+        """This rank's summary for the agreement: its window, then the check of ``state``, and the error the check
+        raised (a tensor left on the meta device, memory running out), counted as no state fault: this rank still
+        joins every collective, and every rank raises it (:meth:`_raise_failed_check`). Raising here alone would
+        leave the other ranks waiting in the agreement."""
+        window = self.window.summary()
+        device = window.device
+        failure: Exception | None = None
+        try:
+            state_tensors = named_state(state, constants=self._constant_buffers) if state is not None else None
+            state_part = self._state_check.summary(state_tensors, device)
+        except Exception as error:
+            failure, state_part = error, self._state_check.summary(None, device)
+        return torch.cat([window, state_part]).tolist(), device, failure
+
+    def _raise_failed_check(self, collective: Any, words: Sequence[int], failure: Exception | None, step: int) -> None:
+        """After the agreement's collective: if checking the state raised on some rank, every rank raises the same
+        :class:`StateCheckError` (a failing rank from its own error), before anything is decided."""
+        found = failures_from(collective, words, failure)
+        if found.ranks:
+            self._accepted_window = None  # a boundary that decided nothing teaches a spike gate nothing
+            raise StateCheckError(ranks=found.ranks, global_step=step, cause=found.cause) from failure
 
     def _judge_spikes(self, collective: Any, world_size: int) -> SpikeCheck:
         """With a spike gate, every rank's step values summed (one all-reduce of a fixed size) and judged against

@@ -31,10 +31,12 @@ class BoundaryReport:
         ranks: Ranks whose window rejected the boundary (empty when accepted).
         first_step: First counted non-finite optimizer step, ``-1`` if none.
         last_step: Last counted non-finite optimizer step, ``-1`` if none.
-        num_steps: Counted non-finite optimizer steps (the largest count any rank saw).
-        skipped_steps: Steps a loss scaler or DeepSpeed skipped in the window (never applied).
-        parameters: Offending parameter names, where attributable.
-        pending_rejection: Rejected because an earlier boundary was, and no optimizer step has run since.
+        num_steps: Counted non-finite optimizer steps (the largest count any rank saw); with
+            ``count_skipped_steps=True`` the skipped ones among them.
+        skipped_steps: Steps a loss scaler or DeepSpeed skipped in the window (never applied), counted or not.
+        parameters: Names of parameters with non-finite gradients, where attributable (as
+            ``NonFiniteGradientError.parameters``: of the counted steps, when some rank has any).
+        pending_rejection: Rejected because an earlier boundary was, and no optimizer step has been applied since.
         non_finite_state: ``(rank, tensor name)`` of each non-finite tensor in the state about to be written
             (parameters, buffers, optimizer state, averaged weights); such a tensor rejects the boundary by itself.
         unnamed_ranks: Ranks the rejection is attributed to beyond those in ``ranks`` (a rejection names up to 16).

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 
-from lightning_ckguard._distributed import default_collective, is_rank_zero, require_collective
+from lightning_ckguard._distributed import broadcast_in_group, default_collective, is_rank_zero, require_collective
 from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.durability import durability
@@ -56,10 +56,7 @@ class ProcessGroupCollectives:
 
     def broadcast(self, value: Any, src: int = 0) -> Any:
         """``value`` as group rank ``src`` has it."""
-        box = [value]
-        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        dist.broadcast_object_list(box, src=global_src, group=self.group)
-        return box[0]
+        return broadcast_in_group(self.group, value, src)
 
     def barrier(self, name: str | None = None) -> None:
         """Wait for every rank of the group."""

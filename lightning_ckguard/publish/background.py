@@ -15,7 +15,9 @@ queue: no later unit publishes, since its checkpoint lists the one that failed. 
 boundary's agreement, where :meth:`BackgroundPublisher.report` rides in its one collective, or the end of training
 (under DDP only rank 0 writes); :meth:`BackgroundPublisher.settle` tells every rank; every rank then raises as for a
 synchronous failure, and the
-callback's ledger goes back to the one before the first unit that was not published: what is on disk.
+callback's ledger goes back to the one before the first unit that was not published: what is on disk. A unit whose
+eviction fails was published: the queue stops there too, the checkpoint it did not remove stays on disk, and the peers
+raise a ``CheckpointWriteError`` that says the removal failed (``removal=True``), as the synchronous writers do.
 """
 
 from __future__ import annotations
@@ -231,6 +233,12 @@ class _Failure:
     error: BaseException
     path: str
     first_unpublished: int
+    removal: bool = False  # an eviction failed, after its unit was published
+
+    def detail(self) -> tuple[str, bool]:
+        """What the failing rank broadcasts with its error: the path, and whether it was a removal. Riding in the
+        broadcast a failure already costs, the words of the agreement keep their count."""
+        return self.path, self.removal
 
 
 class BackgroundPublisher:
@@ -287,7 +295,7 @@ class BackgroundPublisher:
         except BaseException as error:
             assert eviction is not None
             with self._lock:  # published; only an eviction failed: the evicted checkpoint stays, unlisted
-                self._failure = _Failure(error, eviction.path, unit.sequence + 1)
+                self._failure = _Failure(error, eviction.path, unit.sequence + 1, removal=True)
                 self._published_through = unit.sequence
             return
         with self._lock:
@@ -327,7 +335,7 @@ class BackgroundPublisher:
         with self._lock:
             failure = self._failure
         found = failures_from(strategy, reduced, failure.error if failure is not None else None,
-                              failure.path if failure is not None else None)
+                              failure.detail() if failure is not None else None)
         first_unpublished, published_everywhere = -found.values[0], -found.values[1]
         for sequence in [s for s in self._ledgers if s <= published_everywhere]:
             del self._ledgers[sequence]  # published on every rank
@@ -338,7 +346,8 @@ class BackgroundPublisher:
         with self._lock:
             self._failure = None
         self._ledgers.clear()
-        error = write_error(found, failure.error if failure is not None else None, found.detail)
+        path, removal = found.detail  # the first failing rank's: a peer's error names what failed there
+        error = write_error(found, failure.error if failure is not None else None, path, removal=removal)
         assert error is not None  # some rank failed
         return WriteFailure(error, published)
 
@@ -358,7 +367,8 @@ class BackgroundPublisher:
         self.wait()
         with self._lock:
             if self._failure is not None:
-                log.warning("A background checkpoint write of %s failed: %s", self._failure.path, self._failure.error)
+                log.warning("A background checkpoint %s of %s failed: %s",
+                            "removal" if self._failure.removal else "write", self._failure.path, self._failure.error)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

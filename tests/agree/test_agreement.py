@@ -145,6 +145,7 @@ def test_a_guard_runs_one_collective_when_it_accepts_and_one_more_only_when_it_r
     from types import SimpleNamespace
 
     from helpers import reducing_with_peers
+    from lightning_ckguard._distributed import FAILING_RANKS
     from lightning_ckguard.agree.agreement import NAMED_RANKS, ROLL_HEADER
 
     model = torch.nn.Linear(2, 1)
@@ -153,7 +154,8 @@ def test_a_guard_runs_one_collective_when_it_accepts_and_one_more_only_when_it_r
         model.bias.grad[0] = float("nan")
     guard = GradientGuard(model)
     guard.record(step=3)
-    clean_peer = ballot(RankReport.from_summary(1, _row()), 2, count_skipped_steps=False)
+    # a clean rank: its ballot, and no failure of its state check (FAILING_RANKS' words, all zero)
+    clean_peer = ballot(RankReport.from_summary(1, _row()), 2, count_skipped_steps=False) + [0] * FAILING_RANKS.slots
     silent_roll = [0] * (ROLL_HEADER + NAMED_RANKS.slots * len(_row()))  # a clean rank, not named, counts nothing
     ops = reducing_with_peers(monkeypatch, [clean_peer], [silent_roll])
     rank0 = SimpleNamespace(world_size=2, global_rank=0, root_device=torch.device("cpu"))

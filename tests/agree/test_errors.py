@@ -1,17 +1,22 @@
-"""Both errors are values: equal to their pickled and deep-copied selves, and told apart by their fields."""
+"""The errors are values: equal to their pickled and deep-copied selves, and told apart by their fields."""
 
 import copy
 import pickle
 
 import pytest
 
-from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
+from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, StateCheckError
 
 
 def _rejection(**overrides):
     fields = dict(ranks=[1, 0], first_step=3, last_step=5, num_steps=2, global_step=6, parameters=["layer.weight"],
                   skipped_steps=1, pending_rejection=False)
     return NonFiniteGradientError(**{**fields, **overrides})
+
+
+def _state_check_failure(**overrides):
+    fields = dict(ranks=[1], global_step=4, cause="NotImplementedError: Cannot copy out of meta tensor; no data!")
+    return StateCheckError(**{**fields, **overrides})
 
 
 def _write_failure(**overrides):
@@ -24,6 +29,7 @@ ERRORS = [
     pytest.param(lambda: _rejection(unnamed_ranks=4000), id="NonFiniteGradientError-past-16-ranks"),
     pytest.param(_write_failure, id="CheckpointWriteError"),
     pytest.param(lambda: _write_failure(removal=True), id="CheckpointWriteError-removal"),
+    pytest.param(_state_check_failure, id="StateCheckError"),
 ]
 
 
@@ -51,6 +57,9 @@ def test_a_copy_equals_the_original(make, duplicate):
     (_write_failure, dict(ranks=[0, 1])),
     (_write_failure, dict(filepath="/ckpts/other.ckpt")),
     (_write_failure, dict(cause=None)),
+    (_state_check_failure, dict(ranks=[0, 1])),
+    (_state_check_failure, dict(global_step=6)),
+    (_state_check_failure, dict(cause=None)),
 ])
 def test_errors_with_different_fields_differ(make, changes):
     assert make(**changes) != make()

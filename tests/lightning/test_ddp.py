@@ -121,6 +121,21 @@ def test_guard_on_a_raw_process_group_reaches_the_same_verdict(ranks):
     assert [results["process-group-guard"]["error"] for results in ranks] == [expected, expected]
 
 
+def test_a_state_check_that_raises_on_one_rank_raises_on_every_rank_and_the_ranks_stay_in_step(ranks):
+    """Rank 1 alone cannot check its state (a tensor on the meta device): had it raised there alone, rank 0 would
+    have waited in the agreement until the collective timeout. Every rank raises the same error, the failing one from
+    its own, and the next agreement runs on both."""
+    results = [rank_results["process-group-state-check-fails"] for rank_results in ranks]
+    cause = "NotImplementedError: Cannot copy out of meta tensor; no data!"
+    for rank, result in enumerate(results):
+        assert result["error"]["ranks"] == [1] and result["error"]["global_step"] == 1
+        assert result["error"]["cause"] == cause
+        assert "rank 1" in result["error"]["message"] and "global step 1" in result["error"]["message"]
+        assert result["error"]["raised_from"] == ("NotImplementedError" if rank == 1 else "NoneType")
+        assert result["next_agreement_accepted"] is True
+    assert results[0]["error"]["message"] == results[1]["error"]["message"]
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_manual_save_is_agreed_before_any_checkpoint_collection(ranks, optimizer):
     # epoch 0 (steps 0-1) is saved by hand; the NaN at step 3 is in epoch 1, whose manual save must be refused

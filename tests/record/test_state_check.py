@@ -12,7 +12,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
 from helpers import QUIET, ledger_state, tree_digest
-from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, NonFiniteGradientError
+from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, NonFiniteGradientError, StateCheckError
 from lightning_ckguard.record.state_check import NAME_WORDS, StateCheck, decode_state_summary
 from lightning_ckguard.record.state_sources import CheckpointState, named_state
 
@@ -149,6 +149,33 @@ def test_a_nan_in_a_buffer_rejects_the_boundary_and_changes_nothing(tmp_path, co
     assert info.value.non_finite_state == ((0, "buffer bn.running_var"),) and info.value.num_steps == 0
     assert "buffer bn.running_var" in str(info.value)
     assert poison.snapshot == (tree_digest(str(tmp_path)), ledger_state(checkpoint))
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt"]
+
+
+class DeferredBuffer(PoisonBuffer):
+    """At the end of the batch that reaches ``step``, a buffer left on the meta device (a deferred initialization
+    never materialized): the check of the state to be written raises."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and self.snapshot is None:
+            self.snapshot = (tree_digest(str(self.checkpoint.dirpath)), ledger_state(self.checkpoint))
+            pl_module.register_buffer("deferred", torch.empty(3, device="meta"))
+
+    def on_exception(self, trainer, pl_module, exception):
+        del pl_module._buffers["deferred"]  # else Lightning's teardown fails to move it off the meta device
+
+
+def test_a_state_check_that_raises_is_raised_from_the_agreement_and_changes_nothing(tmp_path):
+    seed_everything(0)
+    checkpoint = _periodic(tmp_path)
+    deferred = DeferredBuffer(checkpoint, step=4)
+    trainer = Trainer(callbacks=[deferred, checkpoint], max_steps=8, limit_val_batches=0, **QUIET)
+    with pytest.raises(StateCheckError) as info:
+        trainer.fit(BatchNormModel(), train_dataloaders=_batch_norm_data())
+    assert (info.value.ranks, info.value.global_step) == ((0,), 4)
+    assert info.value.cause == "NotImplementedError: Cannot copy out of meta tensor; no data!"
+    assert isinstance(info.value.__cause__, NotImplementedError)
+    assert deferred.snapshot == (tree_digest(str(tmp_path)), ledger_state(checkpoint))
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt"]
 
 

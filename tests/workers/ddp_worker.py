@@ -141,6 +141,26 @@ def guard_without_trainer(root: str) -> dict[str, Any]:
     return {"error": verdict.to_error().fields() if not verdict.accepted else None}
 
 
+def state_check_failing_on_one_rank(root: str) -> dict[str, Any]:
+    """The core on a raw process group: rank 1's state holds a tensor left on the meta device (a deferred
+    initialization never materialized there), so checking it raises on rank 1 alone. Then the next agreement."""
+    from lightning_ckguard import GradientGuard, StateCheckError
+
+    model = torch.nn.Linear(4, 2)
+    guard = GradientGuard(model)
+    model(torch.ones(3, 4)).sum().backward()
+    guard.record(step=0)
+    extra = torch.empty(2, device="meta") if torch.distributed.get_rank() == 1 else torch.zeros(2)
+    result: dict[str, Any] = {"error": None}
+    try:
+        guard.agree(torch.distributed.group.WORLD, global_step=1, state={"model": model, "extra": extra})
+    except StateCheckError as error:
+        result["error"] = {"ranks": list(error.ranks), "global_step": error.global_step, "cause": error.cause,
+                           "message": str(error), "raised_from": type(error.__cause__).__name__}
+    verdict = guard.agree(torch.distributed.group.WORLD, global_step=1, state={"model": model})
+    return {**result, "next_agreement_accepted": verdict.accepted}
+
+
 def _gate_norms(model: torch.nn.Module, batch_seed: int, outputs: int) -> dict[str, Any]:
     """Three steps of ``model`` (already sharded) under a ``GradientGuard`` with a spike gate, one agreement per step,
     batches drawn from ``batch_seed``. Per step: the gate's global gradient norm, and ``clip_grad_norm_`` of the full
@@ -231,6 +251,7 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
     table["ddp-val_topk-move-fails"] = lambda root: run(root, "ddp-val_topk-move-fails", "top1_last", False, True,
                                                         refuse_move="epoch=1")
     table["process-group-guard"] = guard_without_trainer
+    table["process-group-state-check-fails"] = state_check_failing_on_one_rank
     if DEVICES == 4:
         table["hsdp-spike-gate-norm"] = hsdp_spike_gate_norm
         table["tp-spike-gate-norm"] = tp_spike_gate_norm
