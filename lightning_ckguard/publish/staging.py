@@ -10,7 +10,9 @@ post-save barrier), rank 0 moves it into place, and only then are evictions and 
 
 How the move replaces what is there (:func:`move_into_place`):
 
-- a file or a link: one ``os.replace``, so the name is never absent;
+- a file or a link: one ``os.replace``, so the name is never absent; the staged writer first gives the file it
+  replaces a second name (:func:`keep_previous_file`, a hard link) until the boundary ends, so that a later write of
+  the same boundary that fails can put it back (:func:`restore_previous`);
 - a directory, on Linux where the checkpoint's own filesystem supports ``renameat2(RENAME_EXCHANGE)`` (ext4, xfs,
   btrfs, tmpfs; probed once per filesystem): the new and the old directory swap names in one step, so the name is
   never absent either; the old one is then renamed to a retired name;
@@ -197,6 +199,27 @@ def move_into_place(staging: str, filepath: str) -> None:
     # the old directory stays, retired, for readers already inside it (module docstring)
 
 
+def keep_previous_file(filepath: str) -> bool:
+    """Before a file or link at ``filepath`` is replaced (rank 0 only): a second name for it, its retired name (a
+    hard link: no data is copied), so that a boundary failing after the replacement can put it back
+    (:func:`restore_previous`). Returns whether one was made: not for a directory (whose move keeps its own retired
+    copy) or a missing name, nor where the filesystem has no hard links (the replacement then cannot be undone)."""
+    if not os.path.lexists(filepath) or _is_directory(filepath):
+        return False
+    retired = _retired_path(filepath)
+    _remove(retired)
+    try:
+        os.link(filepath, retired, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def restore_previous(filepath: str) -> None:
+    """Put back what :func:`keep_previous_file` kept of ``filepath``, in one ``os.replace`` (rank 0 only)."""
+    os.replace(_retired_path(filepath), filepath)
+
+
 def release_retired(filepath: str) -> None:
     """Remove the retired copy of ``filepath`` that :func:`move_into_place` kept, if any (rank 0 only): before the
     next write of that name, so that at most two copies of it exist at any time, and when it is evicted."""
@@ -308,12 +331,14 @@ __all__ = [
     "checkpoint_is_complete",
     "discard",
     "is_local",
+    "keep_previous_file",
     "make_link",
     "move_into_place",
     "published_path",
     "recover",
     "release_all_retired",
     "release_retired",
+    "restore_previous",
     "staging_path",
     "supports_exchange",
     "writes_directories",

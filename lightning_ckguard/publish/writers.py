@@ -32,7 +32,14 @@ from lightning_ckguard.publish.background import BackgroundPublisher, PluginWrit
 from lightning_ckguard.publish.durability import Durability
 from lightning_ckguard.publish.ledger import Ledger
 from lightning_ckguard.publish.seal import write_error
-from lightning_ckguard.publish.staging import discard, move_into_place, staging_path, writes_directories
+from lightning_ckguard.publish.staging import (
+    discard,
+    keep_previous_file,
+    move_into_place,
+    restore_previous,
+    staging_path,
+    writes_directories,
+)
 from lightning_ckguard.publish.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -179,13 +186,21 @@ class StagedWriter(_HoldsFailures):
         super().__init__(collective)
         self._storage, self._durability = storage, durability
         self._created: list[str] = []  # the names this boundary put in place anew (rank 0)
+        # the names whose previous file or link this boundary replaced and keeps until it is published (rank 0)
+        self._replaced: list[str] = []
         # a file is written by rank 0 alone; a directory by every rank, each flushing what it sees once its part is in
         writes_alone = not writes_directories(collective) and not is_rank_zero(collective)
         self._flush_written = _nothing_to_flush if writes_alone else durability.flush_written
 
     def open(self, before: Ledger | None) -> None:
         super().open(before)
-        self._created = []
+        self._created, self._replaced = [], []
+
+    def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
+        # a failed later write puts back what an earlier one replaced: the disk is the rolled-back ledger's again
+        replaced, self._replaced = self._replaced, []
+        (self._release_previous if published else self._put_back)(replaced)
+        super().close(published, created, remove)
 
     def save(self, filepath: str, write: Write) -> None:
         staging = staging_path(filepath)
@@ -237,12 +252,34 @@ class StagedWriter(_HoldsFailures):
         if self._hold_failure_of(act, path, unpublished=True):
             return True
         _remove_all(self._created, discard)
+        replaced, self._replaced = self._replaced, []
+        self._put_back(replaced)
         return False
 
     def _move_into_place(self, staging: str, filepath: str) -> None:
-        """The rename, then the flush of the directory that holds the name: before any eviction in it."""
+        """The rename, then the flush of the directory that holds the name: before any eviction in it. A file or
+        link it replaces is kept (a hard link) until the boundary is published, once per name."""
+        if filepath not in self._replaced and keep_previous_file(filepath):
+            self._replaced.append(filepath)
         move_into_place(staging, filepath)
         self._durability.flush_entries(os.path.dirname(filepath))
+
+    def _put_back(self, replaced: Sequence[str]) -> None:
+        """Rank 0, the boundary unpublished: each replaced file or link back under its name, newest first."""
+        for path in reversed(replaced):
+            try:
+                restore_previous(path)
+                self._durability.flush_entries(os.path.dirname(path))
+            except Exception as error:  # the boundary's own failure is the one to surface
+                log.warning("Could not put back the checkpoint %s after a failed checkpoint write: %s", path, error)
+
+    def _release_previous(self, replaced: Sequence[str]) -> None:
+        """Rank 0, the boundary published: the kept files go (else before the name's next write, or at the end)."""
+        for path in replaced:
+            try:
+                self._storage.release_retired(path)
+            except Exception as error:
+                log.warning("Could not remove the replaced copy of %s: %s", path, error)
 
 
 class DirectWriter(_HoldsFailures):

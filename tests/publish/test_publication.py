@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import QUIET, FailingWrites, FaultyModel, ledger_state, tree_digest
+from helpers import QUIET, FailingWrites, FaultyModel, ledger_state, refuse_moves_to, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.publish.ledger import Ledger
 
@@ -48,6 +49,39 @@ def test_failed_serialization_rolls_back_and_keeps_evicted_file(failing, tmp_pat
     assert tree_digest(str(tmp_path)) == before["tree"], "files changed after a failed boundary"
     assert "epoch=0-step=2.ckpt" in before["tree"]  # the file the failed boundary would have evicted
     assert callback.best_model_path == str(tmp_path / "epoch=0-step=2.ckpt")
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_a_name_an_earlier_write_of_a_failed_boundary_replaced_is_put_back(save_last, tmp_path):
+    """``best.ckpt`` is overwritten by each better epoch; epoch 1's write of it succeeds, then its ``last`` fails:
+    ``best.ckpt`` holds epoch 0's checkpoint again, as the rolled-back ledger says, with nothing hidden left."""
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="best", monitor="val_loss", save_top_k=1,
+                                    save_last=save_last)
+    model = FaultyModel(val_losses=[3.0, 2.0, 1.0], snapshot_steps=[3])
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], **QUIET, **EPOCHS)
+    undo: list[Callable[[], None]] = []
+
+    def fail_in_epoch_1() -> None:
+        if trainer.current_epoch == 1 and save_last is True:
+            disk.fail_on = "last"  # its write fails
+        elif trainer.current_epoch == 1:  # the link's move into place fails: held, raised at the next boundary
+            undo.append(refuse_moves_to("last"))
+        else:
+            disk.fail_on = "never"
+
+    model.on_train_epoch_start = fail_in_epoch_1  # type: ignore[method-assign]
+    with FailingWrites("never") as disk, pytest.raises(OSError, match="No space left|injected"):
+        try:
+            trainer.fit(model)
+        finally:
+            for restore in undo:
+                restore()
+    before = model.snapshots[3]
+    assert ledger_state(callback) == before["state"]
+    assert tree_digest(str(tmp_path)) == before["tree"], "best.ckpt is not epoch 0's again"
+    assert torch.load(tmp_path / "best.ckpt", weights_only=False)["global_step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["best.ckpt", "last.ckpt"]
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
