@@ -32,6 +32,7 @@ from lightning_ckguard.errors import (
     NonFiniteGradientError,
     RewindRefusedError,
     Spike,
+    StateCheckError,
 )
 from lightning_ckguard.lightning.callback import GuardedCheckpoint
 from lightning_ckguard.lightning.fit import link_in_boundary
@@ -63,5 +64,6 @@ __all__ = [
     "RewindRefusedError",
     "Spike",
     "SpikeGate",
+    "StateCheckError",
     "Verdict",
 ]

@@ -210,7 +210,7 @@ def keep_previous_file(filepath: str) -> bool:
     _remove(retired)
     try:
         os.link(filepath, retired, follow_symlinks=False)
-    except OSError:
+    except (OSError, NotImplementedError):  # no hard links here (NotImplementedError: no linkat on this platform)
         return False
     return True
 

@@ -205,7 +205,9 @@ class StagedWriter(_HoldsFailures):
     def save(self, filepath: str, write: Write) -> None:
         staging = staging_path(filepath)
         rank_zero = is_rank_zero(self._collective)
-        if rank_zero and self._held is None:  # at most two copies of a name at a time
+        # at most two copies of a name at a time; but the copy this boundary keeps to put back stays (a name written
+        # twice in one boundary: `filename="last"` with `save_last`)
+        if rank_zero and self._held is None and filepath not in self._replaced:
             # a failure (a reader's file held open inside it, on NFS) is held like a failed move: this boundary is
             # not put in place, and every rank raises at the next agreement, not rank 0 alone here
             self._hold_unpublishing(partial(self._storage.release_retired, filepath), filepath)

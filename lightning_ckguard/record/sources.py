@@ -8,6 +8,7 @@ round). :func:`lightning_ckguard.record.source_selection.gradient_source_for` pi
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol
 
 from torch import Tensor, nn
@@ -117,8 +118,10 @@ class ParameterGradients:
         self._parameters = parameters if parameters is not None else ParameterIndex(module)
         self._replicas: dict[int, int] = {}  # parameter index -> replica count, for counts other than 1
         self._module_params: list[tuple[int, Tensor]] = [self._indexed(p) for p in module.parameters()]
-        # per optimizer: (group sizes when cached, [(index, param)]); rebuilt when param groups change
-        self._optimizer_params: dict[int, tuple[tuple[int, ...], list[tuple[int, Tensor]]]] = {}
+        # per optimizer: (group sizes when cached, [(index, param)]); rebuilt when param groups change. Held weakly, by
+        # the optimizer itself: a new optimizer at a dead one's address (its id) must not read the dead one's params
+        self._optimizer_params: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], list[tuple[int, Tensor]]]] = (
+            weakref.WeakKeyDictionary())
 
     @property
     def parameter_names(self) -> list[str]:
@@ -128,10 +131,10 @@ class ParameterGradients:
     def _params_of(self, optimizer: Any) -> list[tuple[int, Tensor]]:
         groups = optimizer.param_groups
         sizes = tuple(len(group["params"]) for group in groups)
-        cached = self._optimizer_params.get(id(optimizer))
+        cached = self._optimizer_params.get(optimizer)
         if cached is None or cached[0] != sizes:
             cached = (sizes, [self._indexed(p) for group in groups for p in group["params"]])
-            self._optimizer_params[id(optimizer)] = cached
+            self._optimizer_params[optimizer] = cached
         return cached[1]
 
     def _indexed(self, param: Tensor) -> tuple[int, Tensor]:

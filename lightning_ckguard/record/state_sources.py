@@ -50,7 +50,8 @@ def _local(tensor: Tensor) -> Tensor:
 
 
 def _checkable(tensor: Any) -> bool:
-    return isinstance(tensor, Tensor) and tensor.is_floating_point()
+    # complex tensors too: NonFiniteCheck reads their real and imaginary parts
+    return isinstance(tensor, Tensor) and (tensor.is_floating_point() or tensor.is_complex())
 
 
 def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, Tensor]]:

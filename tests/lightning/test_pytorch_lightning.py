@@ -34,6 +34,9 @@ def test_nan_is_refused_then_resume_from_last_finishes(tmp_path, lightning):
     # the errors are the same objects in both imports
     assert ckguard.NonFiniteGradientError is lightning_ckguard.NonFiniteGradientError
     assert ckguard.CheckpointWriteError is lightning_ckguard.CheckpointWriteError
+    errors = {name for name in lightning_ckguard.__all__ if name.endswith("Error")}
+    assert errors <= set(ckguard.__all__), errors - set(ckguard.__all__)
+    assert all(getattr(ckguard, name) is getattr(lightning_ckguard, name) for name in errors)
 
     guard = ckguard.FiniteGradCheckpoint(dirpath=tmp_path, **CALLBACK)
     trainer = package.Trainer(callbacks=[guard], default_root_dir=tmp_path, **TRAINER)

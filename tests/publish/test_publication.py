@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import QUIET, FailingWrites, FaultyModel, ledger_state, refuse_moves_to, tree_digest
+from helpers import QUIET, FailingWrites, FaultyModel, hook_writes, ledger_state, refuse_moves_to, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.publish.ledger import Ledger
 
@@ -82,6 +82,34 @@ def test_a_name_an_earlier_write_of_a_failed_boundary_replaced_is_put_back(save_
     assert tree_digest(str(tmp_path)) == before["tree"], "best.ckpt is not epoch 0's again"
     assert torch.load(tmp_path / "best.ckpt", weights_only=False)["global_step"] == 2
     assert sorted(os.listdir(tmp_path)) == ["best.ckpt", "last.ckpt"]
+
+
+def test_a_name_written_twice_in_a_failed_boundary_holds_its_first_content_again(tmp_path):
+    """``filename="last"`` with ``save_last``: each boundary writes ``last.ckpt`` twice (its top-1 file, then its
+    `last`). Epoch 1's second write fails: ``last.ckpt`` is epoch 0's again, not epoch 1's first write."""
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="last", save_top_k=1, save_last=True,
+                                    enable_version_counter=False)
+    model = FaultyModel(val_losses=[3.0, 2.0, 1.0], snapshot_steps=[3])
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], **QUIET, **EPOCHS)
+    writes: list[int] = []
+
+    def second_write_of_epoch_1_fails(path: str) -> None:
+        writes.append(trainer.current_epoch)
+        if writes.count(1) == 2:
+            raise OSError(28, "No space left on device", path)
+
+    stop = hook_writes(before=second_write_of_epoch_1_fails)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            trainer.fit(model)
+    finally:
+        stop()
+    assert writes == [0, 0, 1, 1]
+    before = model.snapshots[3]
+    assert ledger_state(callback) == before["state"]
+    assert tree_digest(str(tmp_path)) == before["tree"], "last.ckpt is not epoch 0's again"
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 2
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])

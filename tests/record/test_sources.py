@@ -118,3 +118,27 @@ def test_a_spike_gate_divides_deepspeeds_fp16_loss_scale_out_of_the_gradient_nor
         verdict = guard.agree(None, global_step=1)
         (level,) = verdict.spike_check.levels
         assert level.window_max == pytest.approx(5.0), loss_scale
+
+
+def test_a_new_optimizer_at_a_dead_ones_address_is_read_as_itself():
+    """Phases that make their optimizer anew: CPython soon places a new one at a freed one's address (its ``id``). A
+    cache keyed by that id read the dead optimizer's parameters, and an inf in the new one's gradient was accepted."""
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    guard = GradientGuard(model)
+    addresses = set()
+    reused = 0
+    for attempt in range(200):
+        part = model["a" if attempt % 2 == 0 else "b"]
+        model.zero_grad()
+        part(torch.randn(2, 4)).sum().backward()
+        optimizer = torch.optim.SGD(part.parameters(), lr=0.1)
+        reused += id(optimizer) in addresses
+        addresses.add(id(optimizer))
+        part.weight.grad[0, 0] = float("inf")
+        guard.record(optimizer)
+        assert not guard.agree(None).accepted, f"attempt {attempt}: the inf was not read"
+        guard.reset()
+        del optimizer
+    assert reused  # the case under test happened

@@ -87,6 +87,20 @@ def test_large_finite_weights_buffers_and_optimizer_state_do_not_reject():
     assert verdict.accepted and verdict.non_finite_state == ()
 
 
+def test_complex_parameters_and_their_optimizer_state_are_checked():
+    module = nn.Linear(2, 2)
+    module.phase = nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+    (module(torch.randn(3, 2)).sum() + module.phase.abs().sum()).backward()
+    optimizer.step()
+    with torch.no_grad():
+        module.phase[1] = complex(0.0, float("nan"))
+    state = CheckpointState(module, (optimizer,))
+    names = [name for name, _ in named_state(state)]
+    assert {"parameter phase", "optimizer: exp_avg of phase"} <= set(names)
+    assert StateCheck().non_finite(named_state(state)) == ["parameter phase"]
+
+
 def test_the_names_travel_in_the_summary_and_a_long_list_is_counted():
     names = [f"optimizer: exp_avg of block.{i}.attention.query.weight" for i in range(40)]
     count, decoded = decode_state_summary(StateCheck().summary(None, torch.device("cpu")).tolist())
