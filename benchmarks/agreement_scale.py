@@ -30,9 +30,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, recorded_guard, table  # noqa: E402
+from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
 
-from lightning_ckguard._distributed import failure_words  # noqa: E402
 from lightning_ckguard.agree.top_k_vote import local_vote  # noqa: E402
+from lightning_ckguard.publish.durability import durability  # noqa: E402
+from lightning_ckguard.publish.storage import storage_for  # noqa: E402
+from lightning_ckguard.publish.writers import StagedWriter  # noqa: E402
 from lightning_ckguard.record.state_check import STATE_SUMMARY_SIZE  # noqa: E402
 from lightning_ckguard.record.window import SUMMARY_SIZE  # noqa: E402
 
@@ -82,7 +85,10 @@ def boundary(world: int, nan: bool) -> list[tuple[str, int, int]]:
     """One boundary's agreement on rank 0 of ``world``, as the callback runs it; its collectives."""
     model, guard = recorded_guard(nan)
     group = dist.group.WORLD
-    carry = [*local_vote(group, True, True), *failure_words(group, None)]
+    # the staged writer's own report, as the callback carries it on local disk: which rank failed, and whether a
+    # boundary went unpublished
+    writer = StagedWriter(group, storage_for(get_filesystem(".")), durability(True))
+    carry = [*local_vote(group, True, True), *writer.report()]
     state = {"model": model}  # the state check runs too, and names a non-finite tensor on a rejection
     with Recorder() as recorder:
         verdict, _ = guard.agree_carrying(group, carry, global_step=1, state=state)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 #: The measures a spike gate watches: the loss of each optimizer step and the global gradient norm it applied.
 MEASURES = ("loss", "grad_norm")
@@ -150,6 +150,24 @@ class _ComparedByValue:
 
     def __hash__(self) -> int:
         return hash((type(self), self._key()))
+
+
+class _RebuiltFromFields(_ComparedByValue):
+    """An error whose keyword-only constructor takes exactly the attributes named in ``_FIELDS``: they are its
+    ``_key``, and it is pickled as a call of its constructor with them (an exception's own pickling would call it with
+    the message)."""
+
+    _FIELDS: ClassVar[tuple[str, ...]]
+
+    def _key(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._FIELDS)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_from_fields, (type(self), dict(zip(self._FIELDS, self._key(), strict=True))))
+
+
+def _rebuild_from_fields(cls: type[_RebuiltFromFields], fields: dict[str, Any]) -> _RebuiltFromFields:
+    return cls(**fields)
 
 
 class NonFiniteGradientError(_ComparedByValue, RuntimeError):
@@ -291,7 +309,12 @@ def _rebuild_refused(fields: dict[str, Any]) -> RewindRefusedError:
     return RewindRefusedError(**fields)
 
 
-class _FailedOnRanks(_ComparedByValue, RuntimeError):
+def _rank_list(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 0, 1``: the ranks a failure happened on, in its message."""
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
+
+
+class _FailedOnRanks(_RebuiltFromFields, RuntimeError):
     """An operation on one checkpoint that failed on some ranks, told to every rank: the ranks, the path, the first
     failing rank's error, and the message that names them."""
 
@@ -299,11 +322,7 @@ class _FailedOnRanks(_ComparedByValue, RuntimeError):
         self.ranks: tuple[int, ...] = tuple(ranks)
         self.filepath = filepath
         self.cause = cause
-        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
-        super().__init__(
-            f"{action} the checkpoint {filepath} failed on {rank_word} {', '.join(map(str, self.ranks))}: {cause}. "
-            + outcome
-        )
+        super().__init__(f"{action} the checkpoint {filepath} failed on {_rank_list(self.ranks)}: {cause}. {outcome}")
 
 
 class CheckpointWriteError(_FailedOnRanks):
@@ -320,6 +339,8 @@ class CheckpointWriteError(_FailedOnRanks):
             published: the ledger stands, and the file stays on disk.
     """
 
+    _FIELDS = ("ranks", "filepath", "cause", "removal")
+
     def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None, removal: bool = False) -> None:
         self.removal = removal
         if removal:
@@ -327,17 +348,6 @@ class CheckpointWriteError(_FailedOnRanks):
                              "The checkpoints written before it were published; it stays on disk.")
         else:
             super().__init__(ranks, filepath, cause, "Writing", "Nothing was published for it on any rank.")
-
-    def _key(self) -> tuple[tuple[int, ...], str, str | None, bool]:
-        return (self.ranks, self.filepath, self.cause, self.removal)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_write_error, self._key())
-
-
-def _rebuild_write_error(ranks: Sequence[int], filepath: str, cause: str | None,
-                         removal: bool = False) -> CheckpointWriteError:
-    return CheckpointWriteError(ranks=ranks, filepath=filepath, cause=cause, removal=removal)
 
 
 class CheckpointRestoreError(_FailedOnRanks):
@@ -354,22 +364,14 @@ class CheckpointRestoreError(_FailedOnRanks):
         cause: The first failing rank's error, as text.
     """
 
+    _FIELDS = ("ranks", "filepath", "cause")
+
     def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None) -> None:
         super().__init__(ranks, filepath, cause, "Restoring", "The other ranks restored it, so the ranks no longer "
                          "hold the same state: restore again on every rank, or stop.")
 
-    def _key(self) -> tuple[tuple[int, ...], str, str | None]:
-        return (self.ranks, self.filepath, self.cause)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_restore_error, self._key())
-
-
-def _rebuild_restore_error(ranks: Sequence[int], filepath: str, cause: str | None) -> CheckpointRestoreError:
-    return CheckpointRestoreError(ranks=ranks, filepath=filepath, cause=cause)
-
-
-class StateCheckError(_ComparedByValue, RuntimeError):
+class StateCheckError(_RebuiltFromFields, RuntimeError):
     """Raised on every rank, with the same fields, when checking the state a rank is about to write raised on some
     rank (the check itself failed: a tensor left on the meta device, memory running out; a non-finite value rejects
     instead). On a failing rank it is raised from that rank's own error.
@@ -383,26 +385,16 @@ class StateCheckError(_ComparedByValue, RuntimeError):
         cause: The first failing rank's error, as text.
     """
 
+    _FIELDS = ("ranks", "global_step", "cause")
+
     def __init__(self, *, ranks: Sequence[int], global_step: int, cause: str | None) -> None:
         self.ranks: tuple[int, ...] = tuple(ranks)
         self.global_step = global_step
         self.cause = cause
-        rank_word = "rank" if len(self.ranks) == 1 else "ranks"
         super().__init__(
-            f"Checking the state about to be written at global step {global_step} failed on {rank_word} "
-            f"{', '.join(map(str, self.ranks))}: {cause}. Nothing was written, deleted or linked for this boundary on "
-            "any rank."
+            f"Checking the state about to be written at global step {global_step} failed on {_rank_list(self.ranks)}: "
+            f"{cause}. Nothing was written, deleted or linked for this boundary on any rank."
         )
-
-    def _key(self) -> tuple[tuple[int, ...], int, str | None]:
-        return (self.ranks, self.global_step, self.cause)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_state_check_error, self._key())
-
-
-def _rebuild_state_check_error(ranks: Sequence[int], global_step: int, cause: str | None) -> StateCheckError:
-    return StateCheckError(ranks=ranks, global_step=global_step, cause=cause)
 
 
 __all__ = [

@@ -117,18 +117,19 @@ def global_values(words: Sequence[float], capacity: int, labels: Sequence[Sequen
                   ) -> StepMeasures:
     """Read the step values summed over every rank (``rows.ROWS * capacity`` words) into global ones: the loss as
     the mean over the ranks that gave one, the gradient norm from the partitions' squares plus the replicated squares
-    once. A slot that holds a step that was not finite on some rank (and not left out) has no values; one whose steps
-    were all left out has no gradient norm (its squares are ``-inf``)."""
+    once. A slot that holds a step whose gradients were not finite on some rank (and not left out) has no values; one
+    whose steps were all left out has no gradient norm (its squares are ``-inf``). A loss that was not finite on some
+    rank leaves only its slot's loss unjudged: the gradient norm of a step beside it is judged as ever."""
     table = [words[row * capacity : (row + 1) * capacity] for row in range(rows.ROWS)]
     loss: list[float | None] = []
     grad_norm: list[float | None] = []
     for slot in range(len(labels)):
-        if table[rows.INVALID][slot] > 0 or not math.isfinite(table[rows.LOSS][slot]):  # a rank's was not finite
+        if table[rows.INVALID][slot] > 0:  # a rank's gradients were not finite: the finiteness check's slot
             loss.append(None)
             grad_norm.append(None)
             continue
-        seen = table[rows.LOSS_SEEN][slot]
-        loss.append(table[rows.LOSS][slot] / seen if seen > 0 else None)
+        total, seen = table[rows.LOSS][slot], table[rows.LOSS_SEEN][slot]
+        loss.append(total / seen if seen > 0 and math.isfinite(total) else None)
         squares = table[rows.SHARDED][slot] + table[rows.REPLICATED][slot] / world_size
         grad_norm.append(math.sqrt(squares) if squares >= 0 else None)
     return StepMeasures({"loss": tuple(loss), "grad_norm": tuple(grad_norm)},

@@ -16,6 +16,12 @@ where the filesystem has one), so the name always holds a complete checkpoint. W
 each rank flushes what it wrote before the write's outcome is agreed, and rank 0 flushes the directory after the
 rename, so the checkpoint survives a machine crash too. Only then does the guard start a fresh window.
 
+A Fabric strategy whose ``checkpoint_io`` is a user's own (a ``CheckpointIO`` of its own, or a ``TorchCheckpointIO``
+subclass overriding ``save_checkpoint`` to write a sidecar file, upload or log the path) writes at the checkpoint's
+real name instead, as the callback does: only Fabric's own ``save_checkpoint`` would never see a staging name. A
+failed write of a new name is then removed again through that IO's ``remove_checkpoint``; a name it overwrote is not
+put back.
+
 On object storage (``dirpath="s3://bucket/run"``, any fsspec filesystem that is not local) one upload publishes a whole
 object, so a checkpoint is written at its name directly (single files: DDP, or rank 0 of a process group), and a
 strategy that would write through local paths instead (FSDP, DeepSpeed) is refused at construction.
@@ -24,7 +30,9 @@ strategy that would write through local paths instead (FSDP, DeepSpeed) is refus
 from __future__ import annotations
 
 import os
+import sys
 import warnings
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -37,9 +45,12 @@ from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.durability import durability
 from lightning_ckguard.publish.seal import agree_on_write
-from lightning_ckguard.publish.staging import discard
+from lightning_ckguard.publish.staging import discard, writes_directories
 from lightning_ckguard.publish.storage import storage_for
-from lightning_ckguard.publish.writers import DirectWriter, Flush, StagedWriter
+from lightning_ckguard.publish.writers import Flush, choose_writer, writes_as_lightning
+
+#: The modules of Fabric's own ``TorchCheckpointIO``, in either Fabric package.
+_FABRIC_TORCH_IO_MODULES = ("lightning.fabric.plugins.io.torch_io", "lightning_fabric.plugins.io.torch_io")
 
 
 class ProcessGroupCollectives:
@@ -109,9 +120,15 @@ class CheckpointPublisher:
         self.last_verdict: Verdict | None = None
         storage = storage_for(get_filesystem(self.dirpath))
         storage.refuse_strategy(collective, self.dirpath)
-        # the same writers as the callback's: staged and renamed on local disk, direct where one upload is atomic
-        self._writer = (StagedWriter(collective, storage, durability(durable)) if storage.stages_writes
-                        else DirectWriter(collective))
+        # the same writers as the callback's, chosen the same way: staged and renamed on local disk, direct where one
+        # upload is atomic or the strategy's checkpoint IO is the user's own
+        staged_io = _writes_only_the_path(collective)
+        self._writer = choose_writer(collective, storage, durability(durable), in_background=None,
+                                     writes_through_lightning=True, staged_io=staged_io)
+        # a user's IO wrote at the name itself: a failed write's leftovers go through its own removal, as the
+        # callback's rollback removes them (a sidecar too); nothing is left at the name by a staged write
+        self._remove: Callable[[str], None] = discard if staged_io else collective.checkpoint_io.remove_checkpoint
+        self._local = storage.stages_writes
         made = self._make_dirpath(storage.fs)
         # rank 0 recovers what a crash left; no rank writes before that (the one collective here, which also tells
         # every rank of a failure of rank 0's, so that none raises alone)
@@ -163,13 +180,15 @@ class CheckpointPublisher:
         moves it into place, and the move's outcome is agreed right away (a Trainer's fit lets it ride in the next
         agreement; a loop of its own may not agree again); on object storage the upload is the publication."""
         writer = self._writer
+        # a name this save makes is removed again if the write fails (rank 0; an upload is whole or absent)
+        created = (path,) if self.is_global_zero and self._local and not os.path.lexists(path) else ()
         writer.open(None)
         try:
             writer.save(path, partial(self._write_agreed, state=state, path=path))
         except BaseException:
-            writer.close(False, (), discard)  # raised on every rank; the writer left nothing under the name
+            writer.close(False, created, self._remove)  # raised on every rank; nothing is left under a new name
             raise
-        writer.close(True, (), discard)
+        writer.close(True, (), self._remove)
         failure = writer.finish(self.collective, during_exception=False)
         if failure is not None:
             raise failure.error
@@ -191,6 +210,22 @@ class CheckpointPublisher:
             save_checkpoint(path=staging, state=_unwrap_objects(state))
         elif self.is_global_zero:
             _atomic_save(_plain_state(state), staging)  # through fsspec: a local path or an object-storage URL
+
+
+def _writes_only_the_path(collective: Any) -> bool:
+    """Whether what writes for ``collective`` writes exactly the path it is given and nothing else, so a staging name
+    stays invisible: the publisher's own ``torch.save`` (a process group, one process), a strategy that writes itself
+    (DeepSpeed, FSDP, model parallel), or Fabric's own ``TorchCheckpointIO``."""
+    if not callable(getattr(collective, "save_checkpoint", None)) or writes_directories(collective):
+        return True
+    try:
+        io = collective.checkpoint_io
+    except NotImplementedError:  # Fabric's FSDP and model-parallel strategies save by themselves, through no IO
+        return True
+    # only the Fabric packages already imported: an IO of a package nobody imported cannot exist, and the core must
+    # work with raw torch.distributed alone
+    own = (getattr(sys.modules.get(name), "TorchCheckpointIO", None) for name in _FABRIC_TORCH_IO_MODULES)
+    return any(writes_as_lightning(io, cls) for cls in own if cls is not None)
 
 
 __all__ = ["CheckpointPublisher", "ProcessGroupCollectives"]

@@ -33,7 +33,7 @@ from lightning_ckguard.publish.seal import PublicationSeal, save_flushed
 from lightning_ckguard.publish.staging import writes_directories
 from lightning_ckguard.publish.storage import Storage, storage_for
 from lightning_ckguard.publish.transaction import BoundaryTransaction, active_transaction, run_boundary
-from lightning_ckguard.publish.writers import WriteFailure, Writer, choose_writer
+from lightning_ckguard.publish.writers import WriteFailure, Writer, choose_writer, writes_as_lightning
 from lightning_ckguard.record.skips import loss_scale, scaler_skip_flag
 from lightning_ckguard.record.source_selection import gradient_source_for
 from lightning_ckguard.record.state_sources import averaged_weights, lightning_checkpoint_state
@@ -458,26 +458,17 @@ def _writer_for(checkpoint: Any, trainer: Any, storage: Storage, background: boo
     in_background = (
         background
         and isinstance(plugin, package.async_checkpoint_io)
-        and _writes_as_lightning(plugin.checkpoint_io, package)
+        and writes_as_lightning(plugin.checkpoint_io, package.torch_checkpoint_io)
         and hasattr(plugin, "_checkpoint_io")
         and not writes_directories(strategy)
         and through_lightning
         and checkpoint.dirpath is not None
         and storage.stages_writes
     )
-    staged_io = writes_directories(strategy) or _writes_as_lightning(plugin, package)
+    staged_io = writes_directories(strategy) or writes_as_lightning(plugin, package.torch_checkpoint_io)
     return choose_writer(strategy, storage, durability(checkpoint.durable),
                          in_background=plugin if in_background else None, writes_through_lightning=through_lightning,
                          staged_io=staged_io)
-
-
-def _writes_as_lightning(io: Any, package: Any) -> bool:
-    """Whether ``io`` saves by Lightning's own ``TorchCheckpointIO.save_checkpoint``: it writes exactly the path it
-    is given and nothing else, so a staging name stays invisible. A user's override (a sidecar file beside the
-    checkpoint, an upload, a log line naming the path) gets the real name, as under ``ModelCheckpoint``."""
-    own = package.torch_checkpoint_io.save_checkpoint
-    save = getattr(io, "save_checkpoint", None)
-    return isinstance(io, package.torch_checkpoint_io) and getattr(save, "__func__", None) is own
 
 
 __all__ = ["Decisions", "GuardedFit", "drop_missing_checkpoints", "link_in_boundary", "own_transaction"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -268,20 +268,17 @@ class StagedWriter(_HoldsFailures):
 
     def _put_back(self, replaced: Sequence[str]) -> None:
         """Rank 0, the boundary unpublished: each replaced file or link back under its name, newest first."""
-        for path in reversed(replaced):
-            try:
-                restore_previous(path)
-                self._durability.flush_entries(os.path.dirname(path))
-            except Exception as error:  # the boundary's own failure is the one to surface
-                log.warning("Could not put back the checkpoint %s after a failed checkpoint write: %s", path, error)
+        _each_warning_on_failure(reversed(replaced), self._restore_previous,
+                                 "Could not put back the checkpoint %s after a failed checkpoint write: %s")
+
+    def _restore_previous(self, path: str) -> None:
+        restore_previous(path)
+        self._durability.flush_entries(os.path.dirname(path))
 
     def _release_previous(self, replaced: Sequence[str]) -> None:
         """Rank 0, the boundary published: the kept files go (else before the name's next write, or at the end)."""
-        for path in replaced:
-            try:
-                self._storage.release_retired(path)
-            except Exception as error:
-                log.warning("Could not remove the replaced copy of %s: %s", path, error)
+        _each_warning_on_failure(replaced, self._storage.release_retired,
+                                 "Could not remove the replaced copy of %s: %s")
 
 
 class DirectWriter(_HoldsFailures):
@@ -369,12 +366,28 @@ def _nothing_to_flush(path: str) -> None:
     """What a write that is not staged flushes: nothing."""
 
 
-def _remove_all(paths: Any, remove: Remove) -> None:
+def _remove_all(paths: Iterable[str], remove: Remove) -> None:
+    _each_warning_on_failure(paths, remove, "Could not remove %s after a failed checkpoint write: %s")
+
+
+def _each_warning_on_failure(paths: Iterable[str], act: Callable[[str], None], message: str) -> None:
+    """``act`` on each of ``paths`` (a snapshot of them); a failure is logged as ``message % (path, error)`` and the
+    next path goes on: these are clean-ups, and the boundary's own outcome is the one to surface."""
     for path in list(paths):
         try:
-            remove(path)
-        except Exception as cleanup_error:  # the original error is the one to surface
-            log.warning("Could not remove %s after a failed checkpoint write: %s", path, cleanup_error)
+            act(path)
+        except Exception as error:
+            log.warning(message, path, error)
+
+
+def writes_as_lightning(io: Any, torch_checkpoint_io: type[Any]) -> bool:
+    """Whether ``io`` saves by ``torch_checkpoint_io``'s own ``save_checkpoint`` (Lightning's or Fabric's
+    ``TorchCheckpointIO``): it writes exactly the path it is given and nothing else, so a staging name stays invisible.
+    A user's override (a sidecar file beside the checkpoint, an upload, a log line naming the path) gets the real name,
+    as under ``ModelCheckpoint``."""
+    own = torch_checkpoint_io.save_checkpoint
+    save = getattr(io, "save_checkpoint", None)
+    return isinstance(io, torch_checkpoint_io) and getattr(save, "__func__", None) is own
 
 
 def choose_writer(collective: Any, storage: Storage, durability: Durability, *, in_background: Any | None,
@@ -391,4 +404,7 @@ def choose_writer(collective: Any, storage: Storage, durability: Durability, *, 
     return DirectWriter(collective)
 
 
-__all__ = ["BackgroundWriter", "DirectWriter", "StagedWriter", "WriteFailure", "Writer", "choose_writer"]
+__all__ = [
+    "BackgroundWriter", "DirectWriter", "StagedWriter", "WriteFailure", "Writer", "choose_writer",
+    "writes_as_lightning",
+]

@@ -9,6 +9,7 @@ round). :func:`lightning_ckguard.record.source_selection.gradient_source_for` pi
 from __future__ import annotations
 
 import weakref
+from itertools import chain
 from typing import Any, Protocol
 
 from torch import Tensor, nn
@@ -72,23 +73,49 @@ def replica_count(param: Tensor) -> int:
     return count
 
 
+def _parameter_slots(module: nn.Module) -> tuple[int, ...]:
+    """The ids of what ``module``'s parameter slots hold, each module once: a key that changes with its parameter set,
+    without building ``named_parameters()``'s names (less than half its cost)."""
+    ids: list[int] = []
+    seen: set[int] = set()
+    pending: list[nn.Module | None] = [module]
+    while pending:
+        owner = pending.pop()
+        if owner is None or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        ids.extend(map(id, owner._parameters.values()))
+        pending.extend(owner._modules.values())
+    return tuple(ids)
+
+
 class ParameterIndex:
     """A stable index per parameter: the module's own names first, in ``named_parameters()`` order, then any other
-    parameter (held by an optimizer but not named by the module) under a positional name, as first seen."""
+    parameter (held by an optimizer but not named by the module, or one the module gained later) as first seen."""
 
     def __init__(self, module: nn.Module) -> None:
         self.names: list[str] = []
-        self._index: dict[int, int] = {}
+        # id -> (the parameter, weakly, and its index): an id outlives its tensor, and a new parameter at a dead
+        # one's address (a replaced layer's) must not take the dead one's index and name
+        self._index: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        self.add_module_parameters(module)
+
+    def add_module_parameters(self, module: nn.Module) -> None:
+        """Index ``module``'s parameters not indexed yet under their names (those it gained since: a layer added
+        later)."""
         for name, param in module.named_parameters():
             self.add(param, name)
 
     def add(self, param: Tensor, name: str | None = None) -> int:
         """The index of ``param``, assigned on first sight."""
         key = id(param)
-        if key not in self._index:
-            self._index[key] = len(self.names)
-            self.names.append(name if name is not None else f"<parameter {len(self.names)} outside the module>")
-        return self._index[key]
+        known = self._index.get(key)
+        if known is not None and known[0]() is param:
+            return known[1]
+        index = len(self.names)
+        self._index[key] = (weakref.ref(param), index)
+        self.names.append(name if name is not None else f"<parameter {index} outside the module>")
+        return index
 
     def add_name(self, name: str) -> int:
         """An index for something that is not one parameter (e.g. a whole unattributable partition)."""
@@ -102,7 +129,8 @@ class ParameterGradients:
     Under DDP the gradients read here are the all-reduced ones each rank applies; under FSDP2 (``fully_shard``) and
     tensor parallelism each rank reads the local shard of its DTensor gradients (possibly empty), and the agreement
     makes the verdict global. Parameters that have no gradient (frozen, unused in the step) are skipped. Parameters
-    an optimizer holds that the module does not name are still read, under a positional name.
+    an optimizer holds that the module does not name are still read, under a positional name. Without an optimizer,
+    the parameters read are the module's at that read: a layer added or replaced after construction is read too.
     """
 
     defers_skip_outcome = False
@@ -117,8 +145,13 @@ class ParameterGradients:
         # ``parameters``: an index to share with another source of the same module, so both use the same indices
         self._parameters = parameters if parameters is not None else ParameterIndex(module)
         self._replicas: dict[int, int] = {}  # parameter index -> replica count, for counts other than 1
-        self._module_params: list[tuple[int, Tensor]] = [self._indexed(p) for p in module.parameters()]
-        # per optimizer: (group sizes when cached, [(index, param)]); rebuilt when param groups change. Held weakly, by
+        # The module's parameters are taken at each read (a layer added later, a lazy one, a replaced one), listed
+        # anew only when the ids of its parameter slots change. Each list holds its parameters, so an id in its key
+        # cannot be a new tensor's: the same holds for the optimizers' lists below
+        self._module = module
+        self._module_params: tuple[tuple[int, ...], list[tuple[int, Tensor]]] = ((), [])
+        self._params_of_module()
+        # per optimizer: (its parameters' ids when cached, [(index, param)]); rebuilt when they change. Held weakly, by
         # the optimizer itself: a new optimizer at a dead one's address (its id) must not read the dead one's params
         self._optimizer_params: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], list[tuple[int, Tensor]]]] = (
             weakref.WeakKeyDictionary())
@@ -128,12 +161,20 @@ class ParameterGradients:
         """Name of each parameter index: the module's names, then positional names for other parameters."""
         return self._parameters.names
 
+    def _params_of_module(self) -> list[tuple[int, Tensor]]:
+        key = _parameter_slots(self._module)
+        if key != self._module_params[0]:
+            self._parameters.add_module_parameters(self._module)  # the new ones under their names
+            self._module_params = (key, [self._indexed(p) for p in self._module.parameters()])
+        return self._module_params[1]
+
     def _params_of(self, optimizer: Any) -> list[tuple[int, Tensor]]:
         groups = optimizer.param_groups
-        sizes = tuple(len(group["params"]) for group in groups)
+        key = tuple(map(id, chain.from_iterable(group["params"] for group in groups)))
         cached = self._optimizer_params.get(optimizer)
-        if cached is None or cached[0] != sizes:
-            cached = (sizes, [self._indexed(p) for group in groups for p in group["params"]])
+        if cached is None or cached[0] != key:
+            self._parameters.add_module_parameters(self._module)  # the module's new ones under their names
+            cached = (key, [self._indexed(p) for group in groups for p in group["params"]])
             self._optimizer_params[optimizer] = cached
         return cached[1]
 
@@ -146,7 +187,7 @@ class ParameterGradients:
 
     def local_gradients(self, optimizer: Any | None = None) -> tuple[tuple[int, ...], list[Tensor]]:
         """``param.grad`` (its local shard for a DTensor) of every parameter ``optimizer`` steps that has one."""
-        params = self._module_params if optimizer is None else self._params_of(optimizer)
+        params = self._params_of_module() if optimizer is None else self._params_of(optimizer)
         indices: list[int] = []
         grads: list[Tensor] = []
         sharded = False

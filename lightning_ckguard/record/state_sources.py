@@ -13,7 +13,8 @@ Every tensor is this rank's own part, read where the strategy keeps it, with no 
   BatchNorm's ``num_batches_tracked``, cannot be non-finite; non-persistent ones are not written). A buffer that
   already holds non-finite values when the guard starts (an attention mask filled with ``-inf``) is a constant of the
   model, not a sign of divergence: :func:`constant_buffers` finds those once, and they are left out;
-- optimizer state: every floating-point tensor of ``optimizer.state`` but the ``step`` counters, for the local shard
+- optimizer state: every floating-point tensor of ``optimizer.state`` but the ``step`` counters, also inside lists,
+  tuples and mappings (``torch.optim.LBFGS``'s history: ``"optimizer: old_dirs[3] of weight"``), for the local shard
   of a ``ZeroRedundancyOptimizer``; for DeepSpeed's ZeRO optimizers the fp32 master partition of each group and the
   state of the optimizer that steps it;
 - averaged weights of Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``).
@@ -99,6 +100,23 @@ def _deepspeed_master_partitions(optimizer: Any) -> list[Tensor] | None:
     return None
 
 
+def _state_tensors(value: Any, path: str = "") -> Iterator[NamedTensor]:
+    """The checkable tensors of one parameter's optimizer state, by their path in it: ``exp_avg``, and inside lists,
+    tuples and mappings (``torch.optim.LBFGS`` keeps its history as lists: ``old_dirs[3]``); step counters left out at
+    any depth, and anything that is not a tensor (LBFGS's ``n_iter``)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if key not in _STEP_COUNTERS:
+                yield from _state_tensors(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _state_tensors(item, f"{path}[{index}]")
+    elif isinstance(value, Tensor):
+        local = _local(value)
+        if _checkable(local):
+            yield path, local
+
+
 def optimizer_state(
     optimizer: Any, parameter_names: Mapping[int, str], label: str = "optimizer"
 ) -> Iterator[NamedTensor]:
@@ -127,12 +145,8 @@ def optimizer_state(
             if not isinstance(entries, Mapping):
                 continue
             owner = names.get(id(param), f"parameter {position} of group {group_index}")
-            for key, value in entries.items():
-                if key in _STEP_COUNTERS:
-                    continue
-                local = _local(value) if isinstance(value, Tensor) else value
-                if _checkable(local):
-                    yield f"{label}: {key} of {owner}", local
+            for path, local in _state_tensors(entries):
+                yield f"{label}: {path} of {owner}", local
 
 
 def _parameter_names(module: nn.Module) -> dict[int, str]:

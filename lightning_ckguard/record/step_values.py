@@ -19,7 +19,8 @@ Rows, one column per slot:
   learns its slot. A step every rank leaves out alike (not finite where the gradients are replicated, or skipped by
   a loss scaler: ``record_step(left_out=...)``) adds nothing to its slot, so it hides none of its slot's other steps.
   A non-finite loss needs no row of its own: it leaves its slot's ``LOSS`` not finite, on every rank once summed,
-  and a spike gate reads that the same way.
+  and a spike gate leaves that slot's loss unjudged (in a folded window the larger value wins, so its neighbours'
+  losses too) but judges its gradient norm: the loss hides no spike of the gradients.
 
 A step's losses come first (:meth:`StepValues.add_loss`, every micro-batch's, as its backward runs), then its
 gradients' values (:meth:`StepValues.record_step`), which write the whole step into its slot: a boundary between two

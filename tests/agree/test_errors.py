@@ -5,7 +5,12 @@ import pickle
 
 import pytest
 
-from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError, StateCheckError
+from lightning_ckguard.errors import (
+    CheckpointRestoreError,
+    CheckpointWriteError,
+    NonFiniteGradientError,
+    StateCheckError,
+)
 
 
 def _rejection(**overrides):
@@ -24,11 +29,19 @@ def _write_failure(**overrides):
     return CheckpointWriteError(**{**fields, **overrides})
 
 
+def _restore_failure(**overrides):
+    fields = dict(ranks=[0, 1], filepath="/ckpts/last.ckpt", cause="RuntimeError: Error(s) in loading state_dict")
+    return CheckpointRestoreError(**{**fields, **overrides})
+
+
 ERRORS = [
     pytest.param(_rejection, id="NonFiniteGradientError"),
     pytest.param(lambda: _rejection(unnamed_ranks=4000), id="NonFiniteGradientError-past-16-ranks"),
     pytest.param(_write_failure, id="CheckpointWriteError"),
     pytest.param(lambda: _write_failure(removal=True), id="CheckpointWriteError-removal"),
+    pytest.param(lambda: _write_failure(cause=None), id="CheckpointWriteError-no-cause"),
+    pytest.param(_restore_failure, id="CheckpointRestoreError"),
+    pytest.param(lambda: _restore_failure(cause=None), id="CheckpointRestoreError-no-cause"),
     pytest.param(_state_check_failure, id="StateCheckError"),
 ]
 
@@ -57,6 +70,10 @@ def test_a_copy_equals_the_original(make, duplicate):
     (_write_failure, dict(ranks=[0, 1])),
     (_write_failure, dict(filepath="/ckpts/other.ckpt")),
     (_write_failure, dict(cause=None)),
+    (_write_failure, dict(removal=True)),
+    (_restore_failure, dict(ranks=[1])),
+    (_restore_failure, dict(filepath="/ckpts/other.ckpt")),
+    (_restore_failure, dict(cause=None)),
     (_state_check_failure, dict(ranks=[0, 1])),
     (_state_check_failure, dict(global_step=6)),
     (_state_check_failure, dict(cause=None)),
@@ -77,3 +94,15 @@ def test_errors_of_different_types_differ():
 
 def test_equal_errors_are_interchangeable_as_keys():
     assert len({_rejection(), _rejection(ranks=[0, 1]), copy.deepcopy(_rejection())}) == 1
+
+
+def test_a_copy_keeps_every_field():
+    """Rebuilt from its fields: each one comes back, not only an equal key."""
+    for error in (_write_failure(removal=True), _restore_failure(), _state_check_failure()):
+        twin = pickle.loads(pickle.dumps(error))
+        assert type(twin) is type(error) and vars(twin) == vars(error) and twin.args == error.args
+
+
+def test_write_and_restore_failures_of_the_same_fields_differ():
+    write = _write_failure()
+    assert write != _restore_failure(ranks=write.ranks, filepath=write.filepath, cause=write.cause)

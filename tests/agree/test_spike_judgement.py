@@ -175,11 +175,11 @@ def test_micro_batch_losses_add_up_to_their_step_and_a_boundary_between_them_kee
     values.record_step(None, zero, finite, 8)
     values.add_loss(torch.tensor(4.0))  # the first micro-batch of step 9, then a boundary between the two
     summary = values.summary().view(rows.ROWS, -1)
-    assert summary[rows.LOSS, 0] == 3.0 and summary[rows.LOSS, 1].isnan()  # a NaN loss makes its step invalid
+    assert summary[rows.LOSS, 0] == 3.0 and summary[rows.LOSS, 1].isnan()  # a NaN loss stays in its slot
     assert summary[rows.LOSS_SEEN, :3].tolist() == [1.0, 1.0, 0.0]  # step 9 is not recorded yet
-    # the step of the NaN loss is judged on neither measure
+    # the step of the NaN loss is not judged on its loss; its finite gradients are
     measures = global_values(summary.reshape(-1).tolist(), values.capacity, values.labels, 1)
-    assert measures.values == {"loss": (3.0, None), "grad_norm": (0.0, None)}
+    assert measures.values == {"loss": (3.0, None), "grad_norm": (0.0, 0.0)}
     values.reset()  # the window was published: step 9's first micro-batch stays for it
     values.add_loss(torch.tensor(5.0))
     values.record_step(None, zero, finite, 9)
@@ -216,6 +216,29 @@ def test_a_step_left_out_hides_no_other_step_of_its_slot_and_one_kept_hides_its_
     assert by_step[5] == (None, None)
     if capacity == 16:  # a slot per step: a step left out has no values of its own
         assert by_step[1] == by_step[3] == (None, None) and by_step[0] == (1.0, math.sqrt(2.0))
+
+
+@pytest.mark.parametrize("capacity", [16, 2], ids=["a-slot-per-step", "folded"])
+def test_a_loss_that_is_not_finite_on_one_rank_hides_no_spike_of_the_gradient_norm(capacity):
+    # rank 1's loss of step 2 is NaN while every gradient stays finite, and step 2's gradient norm is 1000x its
+    # baseline: the gate on the gradient norm must still see it, on every rank alike, in a slot of its own or folded
+    # with step 3
+    gate = SpikeGate(measures=("grad_norm",), warmup_steps=10, history=100)
+    finite = torch.tensor(False)
+
+    def window(rank: int) -> StepValues:
+        values = StepValues(torch.device("cpu"), capacity=capacity)
+        for step, (loss, square_sum) in enumerate([(1.0, 1.0), (1.0, 1.0), (math.nan if rank else 1.0, 1e6),
+                                                (1.0, 1.0)]):
+            values.add_loss(torch.tensor(loss))
+            values.record_step(torch.tensor(square_sum / 2, dtype=torch.float64), None, finite, step)
+        return values
+
+    ranks = [window(0), window(1)]
+    measures = global_values((ranks[0].summary() + ranks[1].summary()).tolist(), capacity, ranks[0].labels, 2)
+    spikes = judge(gate, _history(gate, [1.0] * 20), measures).spikes
+    assert [(s.measure, s.first_step, s.value) for s in spikes] == [("grad_norm", 2, 1e3)]
+    assert None in measures.values["loss"]  # the NaN loss itself is not judged
 
 
 @pytest.mark.parametrize("skipped", [True, False], ids=["skipped", "applied"])

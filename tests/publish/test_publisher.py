@@ -2,18 +2,24 @@
 
 Two real processes (gloo), ``workers/publisher_worker.py``: a NaN on rank 1 only is rejected on both ranks with
 nothing written; a write refused on rank 0 raises on both and leaves no partial file; an FSDP2 (``fully_shard``)
-distributed checkpoint is published whole, as one directory. Single-process cases run in the fast lane.
+distributed checkpoint is published whole, as one directory. Single-process cases run in the fast lane, with a Fabric
+strategy whose checkpoint IO is a user's own among them.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from conftest import OUT, WorkerResults
+from helpers import hook_writes
 from lightning_ckguard import CheckpointPublisher, GradientGuard, NonFiniteGradientError
 
 
@@ -147,3 +153,70 @@ def test_object_storage_with_a_strategy_that_writes_local_paths_is_a_value_error
 
     with pytest.raises(ValueError, match="writes checkpoints through local paths"):
         CheckpointPublisher(FSDPStrategy(), "s3://bucket/run")
+
+
+class SidecarIO(TorchCheckpointIO):
+    """A user's subclass of Fabric's checkpoint IO: ``super()`` writes, then a manifest goes beside the path it got."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        Path(f"{path}.json").write_text(json.dumps({"step": checkpoint["step"], "path": str(path)}))
+
+
+class RefusedUploadIO(SidecarIO):
+    """The same, uploading what it wrote; the upload of ``step=2.ckpt`` is refused. Its removal takes the sidecar."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        if os.path.basename(str(path)) == "step=2.ckpt":
+            raise ConnectionError("the upload was refused")
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(path)
+        Path(f"{path}.json").unlink(missing_ok=True)
+
+
+def _fabric_publisher(tmp_path: Any, io: TorchCheckpointIO) -> tuple[CheckpointPublisher, Any]:
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = fabric.setup(_model())
+    return CheckpointPublisher(fabric.strategy, tmp_path, guard=GradientGuard(model)), model
+
+
+def _fabric_save(tmp_path: Any, io: TorchCheckpointIO) -> None:
+    publisher, model = _fabric_publisher(tmp_path, io)
+    verdict = publisher.save("step=1.ckpt", {"model": model, "step": 1})
+    assert verdict is not None and verdict.accepted
+
+
+def test_a_fabric_checkpoint_io_that_overrides_save_gets_the_real_name(tmp_path):
+    """A user's ``save_checkpoint`` is handed the checkpoint's real name, as the callback hands it: what it puts
+    beside the checkpoint is named after it, and the path it was given is the published one."""
+    _fabric_save(tmp_path, SidecarIO())
+    assert sorted(os.listdir(tmp_path)) == ["step=1.ckpt", "step=1.ckpt.json"]  # no hidden sidecar left behind
+    manifest = json.loads((tmp_path / "step=1.ckpt.json").read_text())
+    assert manifest == {"step": 1, "path": str(tmp_path / "step=1.ckpt")}
+    assert torch.load(tmp_path / "step=1.ckpt", weights_only=True)["step"] == 1
+
+
+def test_fabrics_own_checkpoint_io_still_writes_into_staging(tmp_path):
+    """The control: Fabric's own ``save_checkpoint`` writes only the path it is given, so it stays staged and the
+    name is published by one rename."""
+    written: list[str] = []
+    undo = hook_writes(before=written.append)
+    try:
+        _fabric_save(tmp_path, TorchCheckpointIO())
+    finally:
+        undo()
+    assert len(written) == 1 and os.path.basename(written[0]).startswith(".step=1.ckpt"), written
+    assert os.listdir(tmp_path) == ["step=1.ckpt"]
+    assert torch.load(tmp_path / "step=1.ckpt", weights_only=True)["step"] == 1
+
+
+def test_a_fabric_checkpoint_io_whose_write_fails_leaves_nothing_under_a_new_name(tmp_path):
+    """Written at the real name, a failed write is removed again through the IO's own removal, as the callback's
+    rollback removes it; what was published before stays."""
+    publisher, model = _fabric_publisher(tmp_path, RefusedUploadIO())
+    publisher.save("step=1.ckpt", {"model": model, "step": 1})
+    with pytest.raises(ConnectionError, match="refused"):
+        publisher.save("step=2.ckpt", {"model": model, "step": 2})
+    assert sorted(os.listdir(tmp_path)) == ["step=1.ckpt", "step=1.ckpt.json"]

@@ -1,5 +1,5 @@
-"""Gradient sources without a process group: DeepSpeed's partitions read from a stand-in engine, and which source a
-strategy gets."""
+"""Gradient sources without a process group: DeepSpeed's partitions read from a stand-in engine, which source a
+strategy gets, and the parameters ``param.grad`` is read from as the module and its optimizers change."""
 
 from __future__ import annotations
 
@@ -142,3 +142,97 @@ def test_a_new_optimizer_at_a_dead_ones_address_is_read_as_itself():
         guard.reset()
         del optimizer
     assert reused  # the case under test happened
+
+
+class _MadeOnFirstForward(torch.nn.Module):
+    """A layer whose weight only exists from its first forward on (a shape known from the input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight: torch.nn.Parameter | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            self.weight = torch.nn.Parameter(torch.ones(x.shape[-1]))
+        return x * self.weight
+
+
+def _added_layer(model: torch.nn.Sequential) -> str:
+    model.append(torch.nn.Linear(4, 4))
+    return "1.weight"
+
+
+def _replaced_layer(model: torch.nn.Sequential) -> str:
+    model[0] = torch.nn.Linear(4, 4)
+    return "0.weight"
+
+
+def _made_on_first_forward(model: torch.nn.Sequential) -> str:
+    model.append(_MadeOnFirstForward())
+    return "1.weight"
+
+
+def _lazy_linear(model: torch.nn.Sequential) -> str:
+    model.append(torch.nn.LazyLinear(4))
+    return "1.weight"
+
+
+@pytest.mark.parametrize("change", [_added_layer, _replaced_layer, _made_on_first_forward, _lazy_linear],
+                         ids=lambda change: change.__name__.strip("_"))
+def test_without_an_optimizer_the_parameters_a_module_gains_after_the_guard_are_read(change):
+    """``guard.record()`` reads the module's parameters as they are at that step: a NaN gradient in one the module
+    gained after the guard was built is flagged and named."""
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    guard = GradientGuard(model)
+    name = change(model)
+    for step in range(2):  # the step whose forward made a parameter reads it, and so does the next (listed once)
+        model.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        dict(model.named_parameters())[name].grad[0] = float("nan")
+        guard.record()
+        verdict = guard.agree(None)
+        assert not verdict.accepted, f"step {step}: the NaN in {name} was not read"
+        assert verdict.parameters == (name,)
+        guard.reset()
+
+
+def test_a_layer_replaced_after_the_guard_is_named_as_itself_not_as_a_dead_one_at_its_address():
+    """Replaced layers free their parameters, and CPython soon places new ones at their addresses (their ``id``): an
+    index keyed by that id gave a new weight a dead bias's name."""
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    guard = GradientGuard(model)
+    for attempt in range(100):
+        slot = attempt % 2
+        model[slot] = torch.nn.Linear(4, 4)
+        model.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        model[slot].weight.grad[0, 0] = float("inf")
+        guard.record()
+        verdict = guard.agree(None)
+        assert verdict.parameters == (f"{slot}.weight",), f"attempt {attempt}"
+        guard.reset()
+
+
+def test_a_parameter_swapped_into_an_optimizers_group_is_read():
+    """A group's parameter list keeps its length when one parameter is replaced in it: the new one is read."""
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = GradientGuard(model)
+    model(torch.randn(2, 4)).sum().backward()
+    guard.record(optimizer)
+    assert guard.agree(None).accepted
+    guard.reset()
+    model[1] = torch.nn.Linear(4, 4)
+    optimizer.param_groups[0]["params"][2:] = list(model[1].parameters())
+    model.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    model[1].bias.grad[0] = float("nan")
+    guard.record(optimizer)
+    verdict = guard.agree(None)
+    assert not verdict.accepted and verdict.parameters == ("1.bias",)

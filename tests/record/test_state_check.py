@@ -101,6 +101,43 @@ def test_complex_parameters_and_their_optimizer_state_are_checked():
     assert StateCheck().non_finite(named_state(state)) == ["parameter phase"]
 
 
+def test_optimizer_state_held_in_lists_is_checked_and_named_by_its_place():
+    """``torch.optim.LBFGS`` keeps its history as lists of tensors (``old_dirs``, ``old_stps``, ``ro``, ``al``): a NaN
+    there is about to be written like any other state, and is named by its place in the list."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, history_size=4, max_iter=5)
+    inputs, targets = torch.randn(8, 4), torch.randn(8, 1)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = ((model(inputs) - targets) ** 2).mean()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    state = CheckpointState(model, (optimizer,))
+    names = [name for name, _ in named_state(state)]
+    assert {"optimizer: d of 0.weight", "optimizer: old_dirs[1] of 0.weight", "optimizer: ro[1] of 0.weight"} <= set(
+        names)
+    assert not any("n_iter" in name or "func_evals" in name for name in names)  # counts, not tensors
+    assert StateCheck().non_finite(named_state(state)) == []
+    with torch.no_grad():
+        optimizer.state[model[0].weight]["old_dirs"][1][2] = float("nan")
+    assert StateCheck().non_finite(named_state(state)) == ["optimizer: old_dirs[1] of 0.weight"]
+    verdict = GradientGuard(model).agree(state={"model": model, "optimizer": optimizer})
+    assert not verdict.accepted and verdict.non_finite_state == ((0, "optimizer: old_dirs[1] of 0.weight"),)
+
+
+def test_optimizer_state_in_tuples_and_mappings_is_checked_but_their_step_counters_are_not():
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.state[model.bias] = {"pair": (torch.zeros(2), torch.tensor([1.0, float("inf")])),
+                                   "inner": {"step": torch.tensor(float("inf")), "sum": torch.tensor(float("nan")),
+                                             "count": torch.tensor(3)}}
+    found = StateCheck().non_finite(named_state(CheckpointState(model, (optimizer,))))
+    assert found == ["optimizer: pair[1] of bias", "optimizer: inner.sum of bias"]
+
+
 def test_the_names_travel_in_the_summary_and_a_long_list_is_counted():
     names = [f"optimizer: exp_avg of block.{i}.attention.query.weight" for i in range(40)]
     count, decoded = decode_state_summary(StateCheck().summary(None, torch.device("cpu")).tolist())
