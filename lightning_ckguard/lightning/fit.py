@@ -30,7 +30,7 @@ from lightning_ckguard.lightning.validation import unwritable_dirpath_error
 from lightning_ckguard.publish.durability import durability
 from lightning_ckguard.publish.ledger import Ledger
 from lightning_ckguard.publish.seal import PublicationSeal, save_flushed
-from lightning_ckguard.publish.staging import writes_directories
+from lightning_ckguard.publish.staging import published_path, writes_directories
 from lightning_ckguard.publish.storage import Storage, storage_for
 from lightning_ckguard.publish.transaction import BoundaryTransaction, active_transaction, run_boundary
 from lightning_ckguard.publish.writers import WriteFailure, Writer, choose_writer, writes_as_lightning
@@ -86,6 +86,8 @@ class GuardedFit:
         self.vote: TopKVote | None = None  # this boundary's top-K vote, when it took one
         self._voted_on: Any = None  # the monitored value it was taken on
         self._collected: tuple[Verdict, Sequence[int]] | None = None  # agreed with the vote, not yet applied
+        self._saved: list[str] = []  # what this boundary wrote (its links are not writes)
+        self._rewind_due: BoundaryReport | None = None  # a rejected write outside the boundaries rewinds at the next
 
     @property
     def rewind_log(self) -> RewindLog | None:
@@ -157,9 +159,12 @@ class GuardedFit:
 
     def boundary(self, name: str, hook: Callable[[], None], during_exception: bool = False) -> None:
         """Run ``ModelCheckpoint``'s ``hook`` once as one guarded boundary, and apply its outcome."""
+        if self._rewind_if_due(during_exception):
+            return  # the boundary is the rewind's, as a rejected one is
         if self.decisions.rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
         top_k_before = set(self.checkpoint.best_k_models)
+        self._saved = []
         try:
             outcome = run_boundary(self.checkpoint, hook, agree=lambda: self._agree_at_boundary(name),
                                    writer=self.writer, remove=self.evict)
@@ -167,8 +172,10 @@ class GuardedFit:
             self.vote, self._voted_on, self._collected = None, None, None  # the next boundary takes its own
         if outcome == "rejected":
             self._reject(during_exception)
-        elif outcome == "published":
-            assert self.guard is not None
+        elif outcome == "refused":
+            rank_zero_warn(f"FiniteGradCheckpoint: another guarded callback refused a write of the boundary at {name} "
+                           f"(global step {self.trainer.global_step}); nothing of it was kept.")
+        elif outcome == "published" and self.guard is not None:
             log.debug("FiniteGradCheckpoint published at %s, global step %d", name, self.trainer.global_step)
             self.guard.reset()
             if self.rewind_log is not None:
@@ -209,6 +216,7 @@ class GuardedFit:
         self.writer.save(filepath, lambda path, flush: save_flushed(trainer, path, flush, checkpoint.save_weights_only))
         checkpoint._last_global_step_saved = trainer.global_step
         checkpoint._last_checkpoint_saved = filepath
+        self._saved.append(filepath)
         if trainer.is_global_zero:  # after the move into place, so a logger that uploads the file finds it
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(checkpoint))
@@ -275,14 +283,20 @@ class GuardedFit:
         if report.accepted and report.skipped_steps:
             rank_zero_info(report.message)
 
-    def _reject(self, during_exception: bool) -> None:
+    def _reject(self, during_exception: bool, rewind_later: bool = False) -> None:
         """Apply the response :func:`~lightning_ckguard.recover.policy.respond` decides for the rejection just agreed
-        on (the same on every rank): the decision is there, this only carries it out."""
+        on (the same on every rank): the decision is there, this only carries it out. ``rewind_later``: a rewind
+        waits for the callback's next hook (:meth:`_rewind_if_due`)."""
         decisions, guard = self.decisions, self.guard
         assert decisions.last_report is not None and guard is not None
         report = decisions.last_report
         response = respond(self.checkpoint.on_non_finite, during_exception=during_exception,
                            fitting=self.rewind_log is not None)
+        if response is Response.REWIND and rewind_later:
+            self._rewind_due = report
+            rank_zero_warn(f"FiniteGradCheckpoint rejected a save outside its boundaries at global step "
+                           f"{report.global_step}; the write is skipped, and the weights go back at its next hook.")
+            return
         if response is Response.REWIND:
             self._rewind(report)
             return
@@ -301,8 +315,8 @@ class GuardedFit:
         rewrites with other weights), else the file it wrote last (``last``, which holds the same state)."""
         assert self.rewind_log is not None
         written = [path for path in self.checkpoint.best_k_models if path not in top_k_before]
-        path = written[-1] if written else self.checkpoint._last_checkpoint_saved
-        if path:
+        path = written[-1] if written else self._saved[-1] if self._saved else None
+        if path:  # a boundary that only moved a link wrote no state of this position
             self.rewind_log.note_published(path, Position.of(self.trainer))
 
     def _rewind(self, report: BoundaryReport) -> None:
@@ -316,12 +330,34 @@ class GuardedFit:
             self.decisions.rejection = refused  # sealed: the weights are the rejected ones
             raise
         guard.reset()  # the restored weights are the accepted ones: the next window starts clean
+        self._restart_other_guards()
         rank_zero_warn(
             f"{report.message} Rewound in place (rewind {rewind.number} of at most {rewind_log.max_rewinds} in this "
             f"fit): {rewind.describe()}; training goes on with the next batch, at global step {rewind.global_step}."
             + (f" Logged to {rewind_log.log_path}." if rewind_log.log_path else "")
         )
         hold_metrics(self.trainer, {"ckguard/rewinds": float(rewind.number)})
+
+    def _rewind_if_due(self, during_exception: bool) -> bool:
+        """A write outside the boundaries rejected under ``"rewind"`` (a manual save inside ``training_step``, whose
+        backward still needs the weights it read) rewinds here, at the callback's next hook, on every rank. While an
+        exception is handled nothing is rewound: the run is sealed instead. Returns whether a rewind was due."""
+        report, self._rewind_due = self._rewind_due, None
+        if report is None:
+            return False
+        if during_exception:
+            self.decisions.rejection = report.to_error()
+        else:
+            self._rewind(report)
+        return True
+
+    def _restart_other_guards(self) -> None:
+        """After a rewind the weights are a published checkpoint's: what the Trainer's other guarded callbacks
+        recorded since describes weights that are gone, and would reject (or rewind) the recovered run again."""
+        for callback in self.trainer.callbacks:
+            other = getattr(callback, "_fit", None)
+            if isinstance(other, GuardedFit) and other is not self and other.guard is not None:
+                other.guard.reset()
 
     # ------------------------------------------------------------------ writes outside the boundaries
 
@@ -331,19 +367,19 @@ class GuardedFit:
         boundary, outside one it raises. After a rejection every later write is refused: skipped with a warning
         while the fit runs or an exception is being handled, raised otherwise."""
         trainer, decisions = self.trainer, self.decisions
-        running = trainer.state.stage is not None
+        running, name = trainer.state.stage is not None, published_path(filepath)  # a boundary's: its real name
         if decisions.rejection is None:
-            verdict = self._agree(f"a save to {filepath}")
+            verdict = self._agree(f"a save to {name}")
             if verdict.accepted:  # a fresh window (a spike gate learns this one) once the write succeeded everywhere
                 assert self.guard is not None
                 PublicationSeal.after_write(self.guard.reset)
                 return True
             if running and not trainer.interrupted:
-                self._reject(during_exception=False)
-                return False  # "skip" or "stop": the write is skipped
+                self._reject(during_exception=False, rewind_later=True)
+                return False  # "skip", "stop" or a rewind at the next hook: the write is skipped
             decisions.rejection = verdict.to_error()
         if running:
-            rank_zero_warn(f"FiniteGradCheckpoint refused to write {filepath}. {decisions.rejection}")
+            rank_zero_warn(f"FiniteGradCheckpoint refused to write {name}. {decisions.rejection}")
             return False
         raise decisions.rejection
 

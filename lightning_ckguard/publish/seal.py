@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from lightning_ckguard._distributed import Failures, agree_on_failure, is_deepspeed_strategy
 from lightning_ckguard.errors import CheckpointWriteError
 from lightning_ckguard.publish.staging import published_path
+from lightning_ckguard.publish.transaction import WriteRefused, active_transaction
 
 #: The actions of the seal call under way, to run once its write succeeded on every rank (:meth:`after_write`).
 _AFTER_WRITE: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
@@ -112,6 +113,10 @@ class PublicationSeal:
             self._save_and_agree_on_failure(filepath, *args, **kwargs)
             for action in actions:
                 action()
+        elif active_transaction() is not None:
+            # a boundary's own write, refused by another guard (the same on every rank): the boundary that asked for
+            # it must not go on as if it had been written (its ledger, its evictions); it is undone
+            raise WriteRefused
 
     def _save_and_agree_on_failure(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
         """Write, and make a failure on any rank an error on every rank.

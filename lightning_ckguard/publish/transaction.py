@@ -29,12 +29,19 @@ from lightning_utilities.core import rank_zero as _rank_zero
 
 from lightning_ckguard.publish.ledger import Ledger
 
-#: What a boundary did: wrote nothing (no agreement was needed), published, or was rejected with nothing changed.
-Outcome = Literal["wrote nothing", "published", "rejected"]
+#: What a boundary did: wrote nothing (no agreement was needed), published, was rejected with nothing changed, or
+#: was accepted but another guard of the Trainer refused one of its writes, and it was undone.
+Outcome = Literal["wrote nothing", "published", "rejected", "refused"]
 
 
 class BoundaryRejected(Exception):
     """Unwinds ``ModelCheckpoint``'s hook at a rejected boundary. :func:`run_boundary` catches it; it never escapes."""
+
+
+class WriteRefused(BoundaryRejected):
+    """Unwinds the hook of a boundary its own guard accepted when another guard of the Trainer refused one of its
+    writes (that guard's window still holds a fault): the boundary is undone, as a failed write is, without an
+    error. :func:`run_boundary` catches it."""
 
 
 class BoundaryWriter(Protocol):
@@ -150,7 +157,10 @@ def run_boundary(
     except BoundaryRejected:
         held_lines.drop()  # the held lines described what was not done
         transaction.before.apply_to(checkpoint)
-        return "rejected"
+        if not transaction.accepted:
+            return "rejected"
+        writer.close(False, transaction.created, remove)  # refused by another guard: undone like a failed write
+        return "refused"
     except BaseException:
         transaction.before.apply_to(checkpoint)
         held_lines.release()  # what ModelCheckpoint said before the failure, as it would have said it
@@ -165,4 +175,7 @@ def run_boundary(
     return "published" if transaction.accepted else "wrote nothing"
 
 
-__all__ = ["BoundaryRejected", "BoundaryTransaction", "BoundaryWriter", "Outcome", "active_transaction", "run_boundary"]
+__all__ = [
+    "BoundaryRejected", "BoundaryTransaction", "BoundaryWriter", "Outcome", "WriteRefused", "active_transaction",
+    "run_boundary",
+]

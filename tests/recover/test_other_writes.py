@@ -1,0 +1,114 @@
+"""A rejection met by a write that is not the guard's own boundary, in one process: another guarded callback's
+boundary (two ``FiniteGradCheckpoint`` on one Trainer), and a manual ``trainer.save_checkpoint`` inside
+``training_step`` under ``"rewind"``; and what a rewind records after a boundary that only moved ``last``'s link."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from helpers import QUIET, FaultyModel
+from lightning_ckguard import FiniteGradCheckpoint
+from lightning_ckguard.recover.rewind import REWIND_LOG_NAME
+
+
+def _two_guards(tmp_path: Any, policy: str) -> tuple[FiniteGradCheckpoint, FiniteGradCheckpoint]:
+    first = FiniteGradCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=2, save_top_k=2, monitor="step",
+                                 mode="max", filename="a-{step}", on_non_finite=policy)
+    second = FiniteGradCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=5, save_top_k=-1, filename="b-{step}",
+                                  on_non_finite=policy)
+    return first, second
+
+
+def _fit(model: Any, callbacks: list[Any], max_steps: int, **trainer_args: Any) -> list[str]:
+    """Fit; the guard's warnings, as text."""
+    trainer = Trainer(max_steps=max_steps, limit_val_batches=0, callbacks=callbacks, devices=1,
+                      **{**QUIET, **trainer_args})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return [str(w.message) for w in caught if "FiniteGradCheckpoint" in str(w.message)]
+
+
+def _on_disk(directory: Any) -> set[str]:
+    return {name for name in os.listdir(directory) if name.endswith(".ckpt")}
+
+
+def test_a_write_another_guard_refuses_leaves_the_boundarys_ledger_and_files_as_they_were(tmp_path):
+    # a NaN at step 6, sanitized before the optimizer: both guards record it. The first guard rejects its step-8
+    # boundary (skip) and accepts step 10 with a clean window of its own; the second's window still holds the NaN and
+    # refuses that write. The first must not list (nor evict for) a checkpoint that was never written
+    seed_everything(0)
+    first, second = _two_guards(tmp_path, "skip")
+    said = _fit(FaultyModel(fault_steps=[6]), [first, second], max_steps=10)
+    names = {os.path.basename(path) for path in first.best_k_models}
+    assert names == _on_disk(tmp_path / "a") == {"a-step=4.ckpt", "a-step=6.ckpt"}, (names, said)
+    assert os.path.basename(first.best_model_path) == "a-step=6.ckpt"
+    assert _on_disk(tmp_path / "b") == {"b-step=5.ckpt"}
+    assert not any("ckguard-staging" in line for line in said), said  # messages name the real checkpoint
+    assert any("another guarded callback refused a write" in line and "a-step=10.ckpt" not in line for line in said)
+
+
+def test_a_rewind_restarts_the_other_guards_so_the_recovered_run_is_not_rewound_again(tmp_path):
+    seed_everything(0)
+    first, second = _two_guards(tmp_path, "rewind")
+    model = FaultyModel(fault_steps=[7], sanitize=False)
+    _fit(model, [first, second], max_steps=16)
+    assert [(r.global_step, os.path.basename(r.checkpoint)) for r in first.rewinds] == [(8, "a-step=6.ckpt")]
+    assert second.rewinds == ()  # its window described the weights the first guard's rewind threw away
+    assert all(os.path.exists(path) for path in first.best_k_models)
+    assert {"b-step=10.ckpt", "b-step=15.ckpt"} <= _on_disk(tmp_path / "b")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class SavesInTrainingStep(FaultyModel):
+    """Calls ``trainer.save_checkpoint`` inside ``training_step``, after its forward, at every step in ``save_at``."""
+
+    def __init__(self, save_at: set[int], directory: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_at, self.directory = save_at, directory
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        output = super().training_step(batch, batch_idx)
+        step = self.trainer.global_step
+        if step in self.save_at:
+            self.trainer.save_checkpoint(os.path.join(self.directory, f"manual-{step}.ckpt"))
+        return output
+
+
+def test_a_manual_save_inside_the_training_step_rewinds_at_the_callbacks_next_hook(tmp_path):
+    # the NaN update is applied at step 5; the save inside step 6's training_step is rejected: rewinding there would
+    # change the weights between that step's forward and its backward
+    seed_everything(0)
+    checkpoint = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}",
+                                      on_non_finite="rewind")
+    model = SavesInTrainingStep({3, 6}, tmp_path, fault_steps=[5], sanitize=False)
+    said = _fit(model, [checkpoint], max_steps=12)
+    (rewind,) = checkpoint.rewinds
+    assert (os.path.basename(rewind.checkpoint), rewind.global_step) == ("step=4.ckpt", 7)
+    assert _on_disk(tmp_path) == {"manual-3.ckpt", "step=4.ckpt", "step=8.ckpt", "step=12.ckpt"}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any("the weights go back at its next hook" in line for line in said), said
+
+
+def test_a_rewind_records_the_step_its_checkpoint_was_written_at_after_boundaries_that_only_moved_a_link(tmp_path):
+    # the best checkpoint is epoch 0's; later epochs only move `last`, a link to it
+    seed_everything(0)
+    checkpoint = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last="link",
+                                      on_non_finite="rewind")
+    model = FaultyModel(fault_steps=[17], sanitize=False, val_losses=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    trainer = Trainer(max_epochs=6, limit_train_batches=4, limit_val_batches=1, callbacks=[checkpoint], devices=1,
+                      **QUIET)
+    trainer.fit(model)
+    (rewind,) = checkpoint.rewinds
+    published_at = torch.load(rewind.checkpoint, weights_only=False)["global_step"]
+    with open(tmp_path / REWIND_LOG_NAME) as log:
+        logged = json.loads(log.readline())
+    assert os.path.basename(rewind.checkpoint) == "epoch=0-step=4.ckpt" and published_at == 4
+    assert (rewind.checkpoint_global_step, rewind.discarded_steps[0]) == (4, 4)
+    assert (logged["checkpoint_global_step"], logged["discarded_steps"][0]) == (4, 4)  # the log says the same
