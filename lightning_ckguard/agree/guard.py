@@ -251,16 +251,22 @@ class GradientGuard:
         self._constant_buffers[id(module)] = names
         return names
 
-    def reset(self, *, pending_rejection: bool = False) -> None:
+    def reset(self, *, pending_rejection: bool = False, discard_step_under_way: bool = False,
+              learn: bool = True) -> None:
         """Start a fresh window. ``pending_rejection=True`` keeps rejecting until a step is applied (one a loss scaler
         skipped is not).
 
         Call it once the checkpoint of an accepted agreement is published: a spike gate then learns that window's
-        values. A window whose agreement rejected (rewound or skipped) teaches it nothing."""
-        if self._accepted_window is not None and self._spike_history is not None and not pending_rejection:
+        values. A window whose agreement rejected (rewound or skipped) teaches it nothing.
+
+        The losses already given for the step under way (:meth:`record_loss`, micro-batches before a boundary) stay
+        for that step. After a rewind they belong to weights that are gone: ``discard_step_under_way=True`` drops
+        them, so that the next step recorded holds only its own losses. ``learn=False``: an accepted window that was
+        not published (another guard rewound the run under it) teaches the gate nothing either."""
+        if self._accepted_window is not None and self._spike_history is not None and learn and not pending_rejection:
             self._spike_history.learn(self._accepted_window)
         self._accepted_window = None
-        self.window.reset(pending_rejection=pending_rejection)
+        self.window.reset(pending_rejection=pending_rejection, discard_step_under_way=discard_step_under_way)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs of this guard: with a spike gate, its accepted history

@@ -329,7 +329,9 @@ class GuardedFit:
         except NonFiniteGradientError as refused:  # no checkpoint, max_rewinds reached, or the restore failed
             self.decisions.rejection = refused  # sealed: the weights are the rejected ones
             raise
-        guard.reset()  # the restored weights are the accepted ones: the next window starts clean
+        # the restored weights are the accepted ones: the next window starts clean, without the losses already given
+        # for the step under way (they belong to the discarded weights)
+        guard.reset(discard_step_under_way=True)
         self._restart_other_guards()
         rank_zero_warn(
             f"{report.message} Rewound in place (rewind {rewind.number} of at most {rewind_log.max_rewinds} in this "
@@ -357,7 +359,7 @@ class GuardedFit:
         for callback in self.trainer.callbacks:
             other = getattr(callback, "_fit", None)
             if isinstance(other, GuardedFit) and other is not self and other.guard is not None:
-                other.guard.reset()
+                other.guard.reset(discard_step_under_way=True, learn=False)
 
     # ------------------------------------------------------------------ writes outside the boundaries
 

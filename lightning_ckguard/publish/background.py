@@ -22,6 +22,7 @@ raise a ``CheckpointWriteError`` that says the removal failed (``removal=True``)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -110,10 +111,21 @@ class PublicationUnit:
         self.evictions.append(_Operation("evict", path, evict_unless_published))
 
 
-@dataclass
+@dataclass(eq=False)  # told apart by identity: two of one path are two writes
 class _ExpectedWrite:
     staging: str
     handed: tuple[dict[str, Any], Any] | None = None  # what the plugin handed over: its checkpoint, storage options
+
+
+@dataclass(eq=False)
+class _Submission:
+    """One call of the plugin's ``save_checkpoint``, in the order the plugin queued it: the boundary's write it is
+    (``expected``), or None for one the guard does not publish (a manual save, another callback's)."""
+
+    expected: _ExpectedWrite | None
+
+
+_NO_ATTRIBUTE = object()
 
 
 class PluginWrites:
@@ -129,6 +141,11 @@ class PluginWrites:
     in acceptance order. A removal waits in the boundary's unit until everything the unit publishes is in place.
     Every other call (other callbacks' saves, manual saves, loads) passes through unchanged.
 
+    Which of the plugin's base-IO calls is the boundary's follows the plugin's own order: each call of its
+    ``save_checkpoint`` (on the training thread) is noted as a :class:`_Submission`, and a call on its thread takes the
+    oldest noted for its path. A manual save of the same name still queued when the boundary runs thus stays the
+    manual save's.
+
     A subclass whose ``save_checkpoint`` does its own I/O instead of calling ``super()`` writes wherever it writes:
     that checkpoint is not staged, and is published when the override wrote it. One whose ``remove_checkpoint``
     deletes by itself deletes at once, before the replacement is published.
@@ -136,48 +153,92 @@ class PluginWrites:
 
     def __init__(self, plugin: Any) -> None:
         self.plugin = plugin
-        self.base = plugin.checkpoint_io  # the plugin's own base IO (Lightning's TorchCheckpointIO, or the user's)
+        self.base = _base_io(plugin)  # the plugin's own base IO (Lightning's TorchCheckpointIO, or the user's)
         self.unit: PublicationUnit | None = None  # the accepted boundary running now, whose removals wait
-        # per path, the writes the plugin is about to be asked for, oldest first (its thread runs them in that order)
-        self._expected: dict[str, deque[_ExpectedWrite]] = {}
+        self._armed: dict[str, _ExpectedWrite] = {}  # per path, the boundary's write the plugin is being asked for
+        # per path, the plugin's submissions its thread has not run yet, oldest first (it runs them in that order)
+        self._submitted: dict[str, deque[_Submission]] = {}
         self._lock = threading.Lock()
+        self._owners = 0  # the fit's writers using it: the last one gives the plugin back
+        self._own_save = vars(plugin).get("save_checkpoint", _NO_ATTRIBUTE)  # an instance attribute, put back
+        self._plugin_save: Callable[..., None] = plugin.save_checkpoint
 
     @classmethod
     def install(cls, plugin: Any) -> PluginWrites:
-        """Put a :class:`PluginWrites` under ``plugin`` (an ``AsyncCheckpointIO``), once."""
+        """Put a :class:`PluginWrites` under ``plugin`` (an ``AsyncCheckpointIO``), once per fit; each call is one
+        owner, given back by :meth:`uninstall`. One already there (another guard's of this fit, or one a fit that
+        raised left behind) is reused, once the plugin's thread ran what it had queued: nothing of an earlier fit
+        stays expected."""
         current = plugin._checkpoint_io  # the attribute behind `checkpoint_io`, whose setter never replaces
         if isinstance(current, cls):
-            return current
-        writes = cls(plugin)
-        plugin._checkpoint_io = writes
-        return writes
+            current._start_afresh()
+        else:
+            current = cls(plugin)
+            plugin._checkpoint_io = current
+            plugin.save_checkpoint = current.submit  # on the instance: outside a subclass's override, as a user calls
+        current._owners += 1
+        return current
 
     def uninstall(self) -> None:
-        """Give the plugin its own base IO back (after every write of the fit ran)."""
-        if self.plugin._checkpoint_io is self:
-            self.plugin._checkpoint_io = self.base
+        """One owner is done; the last gives the plugin its own base IO and ``save_checkpoint`` back, once its thread
+        has run everything queued (a write of a boundary not published is then handed over, never written)."""
+        self._owners = max(self._owners - 1, 0)
+        if self._owners > 0:
+            return
+        self._start_afresh()
+        plugin = self.plugin
+        if plugin._checkpoint_io is self:
+            plugin._checkpoint_io = self.base
+        if vars(plugin).get("save_checkpoint") == self.submit:
+            if self._own_save is _NO_ATTRIBUTE:
+                del plugin.save_checkpoint
+            else:
+                plugin.save_checkpoint = self._own_save
+
+    def _start_afresh(self) -> None:
+        """Wait for the plugin's thread, then forget every expected write and the boundary's unit."""
+        self._drain()
+        with self._lock:
+            self._armed.clear()
+            self._submitted.clear()
+        self.unit = None
+
+    def _drain(self) -> None:
+        """Block until the plugin's thread has run everything queued so far."""
+        executor = getattr(self.plugin, "_executor", None)
+        if executor is not None:
+            with contextlib.suppress(RuntimeError):  # shut down already: nothing is queued
+                executor.submit(_nothing).result()
 
     def expect(self, filepath: str) -> _ExpectedWrite:
         """The plugin is about to be asked to write ``filepath``: what it hands its base IO is the guard's to write."""
         expected = _ExpectedWrite(staging_path(filepath))
         with self._lock:
-            self._expected.setdefault(str(filepath), deque()).append(expected)
+            self._armed[str(filepath)] = expected
         return expected
+
+    def disarm(self, filepath: str, expected: _ExpectedWrite) -> None:
+        """The boundary's call of the plugin for ``filepath`` is over: a later call of that name (a manual save) is
+        not ``expected``, even if the plugin was never called for it."""
+        with self._lock:
+            if self._armed.get(str(filepath)) is expected:
+                del self._armed[str(filepath)]
 
     def forget(self, filepath: str, expected: _ExpectedWrite) -> None:
         """``expected`` will never be handed over (the save failed before the plugin queued it, or the plugin's
         thread has run past it)."""
+        self.disarm(filepath, expected)
         with self._lock:
-            waiting = self._expected.get(str(filepath))
-            if waiting is not None and expected in waiting:
-                waiting.remove(expected)
+            waiting = self._submitted.get(str(filepath), deque())
+            for submission in [s for s in waiting if s.expected is expected]:
+                waiting.remove(submission)
 
     def writer(self, filepath: str, expected: _ExpectedWrite) -> Callable[[], None]:
         """What the unit runs as the write: wait until the plugin's thread has run everything queued so far (so this
         save too), then write what it handed over into staging with the plugin's base IO. A save the plugin never
         handed to its base IO (an override that writes by itself) leaves nothing in staging: nothing to publish."""
         executor = getattr(self.plugin, "_executor", None)  # AsyncCheckpointIO's one worker: first in, first out
-        queued = executor.submit(lambda: None) if executor is not None else None
+        queued = executor.submit(_nothing) if executor is not None else None
 
         def write() -> None:
             if queued is not None:
@@ -190,11 +251,47 @@ class PluginWrites:
 
         return write
 
+    # the plugin's save_checkpoint, as the training thread calls it
+    def submit(self, *args: Any, **kwargs: Any) -> None:
+        """Note the call, in order, as the boundary's write of its path (when one is expected) or as one to pass
+        through; then call the plugin's own ``save_checkpoint``. Behind it on the plugin's thread, a note its base IO
+        never took (an override that wrote by itself, a call that failed before queueing) is dropped, before the
+        next call's write runs."""
+        path = args[1] if len(args) > 1 else kwargs.get("path")
+        if path is None:  # not a call Lightning makes: nothing to match
+            self._plugin_save(*args, **kwargs)
+            return
+        key = str(path)
+        with self._lock:
+            submission = _Submission(self._armed.pop(key, None))
+            self._submitted.setdefault(key, deque()).append(submission)
+        try:
+            self._plugin_save(*args, **kwargs)
+        finally:
+            self._drop_when_run(key, submission)
+
+    def _drop_when_run(self, key: str, submission: _Submission) -> None:
+        executor = getattr(self.plugin, "_executor", None)
+        try:
+            if executor is not None:
+                executor.submit(self._drop, key, submission)
+                return
+        except RuntimeError:  # shut down: nothing more runs there
+            pass
+        self._drop(key, submission)
+
+    def _drop(self, key: str, submission: _Submission) -> None:
+        with self._lock:
+            waiting = self._submitted.get(key)
+            if waiting is not None and submission in waiting:
+                waiting.remove(submission)
+
     # the checkpoint IO the plugin sees
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         with self._lock:
-            waiting = self._expected.get(str(path))
-            expected = waiting.popleft() if waiting else None
+            waiting = self._submitted.get(str(path))
+            submission = waiting.popleft() if waiting else None
+        expected = submission.expected if submission is not None else None
         if expected is None:
             self.base.save_checkpoint(checkpoint, path, storage_options=storage_options)
         else:
@@ -211,6 +308,18 @@ class PluginWrites:
         if name in ("base", "plugin"):
             raise AttributeError(name)
         return getattr(self.base, name)
+
+
+def _base_io(plugin: Any) -> Any:
+    """The base checkpoint IO under ``plugin`` (an ``AsyncCheckpointIO``), through a :class:`PluginWrites` there."""
+    io = plugin.checkpoint_io
+    while isinstance(io, PluginWrites):  # one a fit that raised left behind
+        io = io.base
+    return io
+
+
+def _nothing() -> None:
+    """A task that marks a place in a thread's queue."""
 
 
 @dataclass(frozen=True)

@@ -302,6 +302,7 @@ class BackgroundWriter:
     def __init__(self, collective: Any, plugin: Any, durability: Durability) -> None:
         self._collective = collective
         self._writes = PluginWrites.install(plugin)
+        self._owns_writes = True  # until given back, once: at teardown, or at the end of a fit that raised
         self._publisher = BackgroundPublisher(durability)
         self._unit: PublicationUnit | None = None
 
@@ -321,6 +322,7 @@ class BackgroundWriter:
                 writes.forget(filepath, expected)
             raise
         if expected is not None:
+            writes.disarm(filepath, expected)  # only this call of the plugin was the boundary's
             unit.write(expected.staging, writes.writer(filepath, expected))
             unit.publish(expected.staging, filepath)
 
@@ -346,20 +348,30 @@ class BackgroundWriter:
         return self._publisher.settle(collective, reduced)
 
     def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
-        self._publisher.wait()
         try:
+            self._publisher.wait()
             if during_exception:
                 return self._publisher.local_failure()
             return self._publisher.settle(collective, reduce_ints(collective, self.report()))
         finally:
             self._publisher.close()
+            if during_exception:  # Lightning runs no teardown after an exception: the plugin is given back now
+                self._give_back_plugin()
 
     def wait(self) -> None:
         self._publisher.wait()
 
     def release(self) -> None:
         self._publisher.close()
-        self._writes.uninstall()
+        self._give_back_plugin()
+
+    def _give_back_plugin(self) -> None:
+        """This writer is done with the plugin (once): the last of a fit's writers gives it back its own IO, so the
+        next fit with it (a new Trainer, or this one fitted again) finds Lightning's and publishes in the
+        background."""
+        if self._owns_writes:
+            self._owns_writes = False
+            self._writes.uninstall()
 
 
 def _nothing_to_flush(path: str) -> None:
@@ -385,6 +397,8 @@ def writes_as_lightning(io: Any, torch_checkpoint_io: type[Any]) -> bool:
     ``TorchCheckpointIO``): it writes exactly the path it is given and nothing else, so a staging name stays invisible.
     A user's override (a sidecar file beside the checkpoint, an upload, a log line naming the path) gets the real name,
     as under ``ModelCheckpoint``."""
+    if isinstance(io, PluginWrites):  # a guard's, left under an AsyncCheckpointIO: what it writes with
+        io = io.base
     own = torch_checkpoint_io.save_checkpoint
     save = getattr(io, "save_checkpoint", None)
     return isinstance(io, torch_checkpoint_io) and getattr(save, "__func__", None) is own

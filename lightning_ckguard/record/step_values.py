@@ -159,13 +159,16 @@ class StepValues:
         summary[LOSS] = torch.where(self.values[LOSS_SEEN] > 0, self.values[LOSS], 0.0)
         return summary.reshape(-1)
 
-    def reset(self) -> None:
+    def reset(self, *, discard_step_under_way: bool = False) -> None:
         """Start a fresh window. The losses of a step under way (micro-batches before a boundary) stay for it: the
-        step completes in the new window, whatever the boundary decided."""
+        step completes in the new window, whatever the boundary decided. ``discard_step_under_way=True`` drops them
+        too (after a rewind they are losses of weights that are gone): the next step holds only its own losses."""
         self.values.zero_()
         self.values[_VALUE_ROWS] = -math.inf
         self.labels.clear()
         self.steps_per_slot, self._steps_in_last_slot = 1, 0
+        if discard_step_under_way:
+            self._start_next_step()
 
     def _next_slot(self, step: int) -> int:
         """The slot of a new step (host arithmetic only), folding the buffer when it is full."""

@@ -197,8 +197,12 @@ class NonFiniteWindow:
         )
         return torch.cat([header, reported])
 
-    def reset(self, *, pending_rejection: bool = False) -> None:
-        """Start a fresh window; ``pending_rejection`` carries a rejection until a step is applied (not skipped)."""
+    def reset(self, *, pending_rejection: bool = False, discard_step_under_way: bool = False) -> None:
+        """Start a fresh window; ``pending_rejection`` carries a rejection until a step is applied (not skipped).
+
+        The finiteness of a step is recorded whole, once its gradients are final, so no part of a step under way is
+        kept here; its step values' losses (micro-batches before the boundary) are, for it, unless
+        ``discard_step_under_way=True`` (:meth:`StepValues.reset`). A pending step is dropped either way."""
         self.step_counts.zero_()
         self.first_steps.fill_(-1)
         self.last_steps.fill_(-1)
@@ -207,4 +211,4 @@ class NonFiniteWindow:
         self._pending = None
         self.pending_rejection = pending_rejection
         if self.step_values is not None:
-            self.step_values.reset()
+            self.step_values.reset(discard_step_under_way=discard_step_under_way)

@@ -17,9 +17,10 @@ Fabric users restore from a path they choose with :func:`restore_fabric_state`, 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -216,8 +217,10 @@ def _weight_averaging_callbacks(trainer: Any) -> list[Any]:
 def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     """Restore, in place and on every rank, the training state of the checkpoint at ``path``: the model weights, the
     optimizer state, the LR schedulers, the precision plugin's state and weight-averaging callbacks' state, in the
-    order Lightning restores them from ``ckpt_path``. The loop progress is not restored: ``trainer.global_step`` goes
-    on. Returns the loaded checkpoint (what the strategy's load path returned).
+    order Lightning restores them from ``ckpt_path``; then the gradients accumulated so far (micro-batches of a step
+    under way, computed from the discarded weights) are cleared, on every optimizer and on the module. The loop
+    progress is not restored: ``trainer.global_step`` goes on. Returns the loaded checkpoint (what the strategy's load
+    path returned).
 
     Every rank must call it at the same point: the strategy's load path may hold collectives (DeepSpeed's engine
     loads its partitions from the directory; FSDP2 reads its shards of a distributed checkpoint).
@@ -244,15 +247,46 @@ def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     # the same fit wrote it: the same schedulers, in the same order
     for config, state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), strict=True):
         config.scheduler.load_state_dict(state)
+    # a boundary between two micro-batches leaves the first one's gradient, computed from the discarded weights:
+    # kept, the next step would apply it to the restored ones
+    _clear_gradients([*trainer.optimizers, module])
     return checkpoint
+
+
+def _clear_gradients(owners: Iterable[Any]) -> None:
+    """``zero_grad(set_to_none=True)`` on each of ``owners`` that has a ``zero_grad`` (modules, optimizers; a
+    ``zero_grad`` without ``set_to_none``, as DeepSpeed's engine's, is called as it is).
+
+    DeepSpeed's optimizers set their parameters' gradients to ``None`` (what Lightning itself has them do at the first
+    micro-batch of every step; ZeRO-3's also starts its accumulation again). What ZeRO-2 already reduced of the
+    micro-batches of a step under way is kept inside its optimizer, out of reach here."""
+    for owner in owners:
+        zero_grad = getattr(owner, "zero_grad", None)
+        if not callable(zero_grad):
+            continue
+        if _takes_set_to_none(zero_grad):
+            zero_grad(set_to_none=True)
+        else:
+            zero_grad()
+
+
+def _takes_set_to_none(function: Any) -> bool:
+    """Whether ``function`` accepts a ``set_to_none`` keyword (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass nothing it might refuse
+        return False
+    return any(p.name == "set_to_none" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: Any | None = None,
                          strict: bool = True) -> dict[str, Any]:
     """Rewind a Fabric loop: restore ``state`` (your model, optimizer, anything with a ``state_dict``) in place
     from ``path``, on every rank together, through ``fabric.load`` and so through the strategy's own load path
-    (sharded strategies restore their own shards), then start a fresh window of ``guard``. Returns what the
-    checkpoint held besides ``state``, as ``fabric.load`` does.
+    (sharded strategies restore their own shards), clear the gradients of the modules and optimizers in ``state``
+    (``zero_grad(set_to_none=True)``: gradients accumulated so far, e.g. by micro-batches before the boundary, were
+    computed from the discarded weights), then start a fresh window of ``guard``, the losses already given for the
+    step under way dropped with it. Returns what the checkpoint held besides ``state``, as ``fabric.load`` does.
 
     Call it on every rank at the same point, with the same ``path``: after a rejected ``guard.agree(...)``, with the
     path of the last checkpoint you published. Your own counters (step, epoch, data position) are yours to keep
@@ -271,8 +305,10 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
     failed = agree_on_failure(fabric.strategy, failure)
     if failed.ranks:
         raise CheckpointRestoreError(ranks=failed.ranks, filepath=str(path), cause=failed.cause) from failure
+    _clear_gradients(state.values())  # only once every rank loaded: the agreement above is the only collective
     if guard is not None:
-        guard.reset()  # the restored weights are the accepted ones: the next window starts clean
+        # the restored weights are the accepted ones: the next window starts clean, without the step under way
+        guard.reset(discard_step_under_way=True)
     return remainder
 
 
