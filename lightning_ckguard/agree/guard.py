@@ -116,7 +116,12 @@ class GradientGuard:
         ``loss``: the step's loss (a device tensor, read on the device), for a spike gate watching the loss; with
         gradient accumulation, give the earlier micro-batches' losses to :meth:`record_loss` first (or every
         micro-batch's there, and none here).
+
+        Raises:
+            ValueError: If ``skipped`` is none of these: a bool (a NumPy bool, or the integers 0 and 1, count as one),
+                a tensor, or None.
         """
+        skipped = _skip_flag(skipped)
         if loss is not None:
             self.record_loss(loss)
         gradients = self.source.local_gradients(optimizer)
@@ -298,6 +303,21 @@ class GradientGuard:
     def steps_recorded(self) -> int:
         """Optimizer steps recorded in the current window."""
         return self.window.steps_recorded
+
+
+def _skip_flag(skipped: Any) -> Tensor | bool | None:
+    """``skipped`` as :meth:`GradientGuard.record` passes it on: None and tensors as they are, a bool-like value as a
+    bool. The window tells the usual step by ``skipped is False``, so ``0`` or ``numpy.False_`` passed on as is would
+    count the step as skipped, and a non-finite gradient in it as never applied."""
+    if skipped is None or isinstance(skipped, Tensor):
+        return skipped
+    # a NumPy scalar or 0-d array: its Python value (a bool or an int; a float is refused below)
+    numpy_scalar = getattr(skipped, "ndim", None) == 0 and callable(getattr(skipped, "item", None))
+    value = skipped.item() if numpy_scalar else skipped
+    if isinstance(value, int) and value in (0, 1):  # bool is an int
+        return bool(value)
+    raise ValueError(f"`skipped` must be a bool, a 0-d bool tensor or None, got {skipped!r} "
+                     f"({type(skipped).__name__}).")
 
 
 def _check_arguments(module: Any, count_skipped_steps: Any, source: Any, spike_gate: Any) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsspec.core import split_protocol
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 
 from lightning_ckguard._distributed import broadcast_in_group, default_collective, is_rank_zero, require_collective
@@ -45,7 +46,7 @@ from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.durability import durability
 from lightning_ckguard.publish.seal import agree_on_write
-from lightning_ckguard.publish.staging import discard, writes_directories
+from lightning_ckguard.publish.staging import RETIRED_SUFFIX, STAGING_SUFFIX, _hidden_for, discard, writes_directories
 from lightning_ckguard.publish.storage import storage_for
 from lightning_ckguard.publish.writers import Flush, choose_writer, writes_as_lightning
 
@@ -118,7 +119,10 @@ class CheckpointPublisher:
         self.guard = guard
         #: The verdict of the most recent ``save`` (accepted or not), the same on every rank; None without a guard.
         self.last_verdict: Verdict | None = None
-        storage = storage_for(get_filesystem(self.dirpath))
+        fs = get_filesystem(self.dirpath)
+        storage = storage_for(fs)
+        if storage.stages_writes:  # staged writes are checked and renamed through `os`, which knows no URLs
+            self.dirpath = _local_path(fs, self.dirpath)
         storage.refuse_strategy(collective, self.dirpath)
         # the same writers as the callback's, chosen the same way: staged and renamed on local disk, direct where one
         # upload is atomic or the strategy's checkpoint IO is the user's own
@@ -156,13 +160,14 @@ class CheckpointPublisher:
         guard).
 
         Raises:
-            ValueError: If ``name`` is not a plain file or directory name inside ``dirpath``.
+            ValueError: If ``name`` is not a plain file or directory name inside ``dirpath`` (a ``str`` or an
+                ``os.PathLike``), or is shaped like the publisher's own hidden staging and retired entries (which
+                the next publisher's recovery would remove).
             NonFiniteGradientError: On every rank, when the guard rejects; nothing was written.
             CheckpointWriteError: On the ranks whose own part succeeded, when another rank's write failed (that rank
                 raises its own error); no partial checkpoint is left under ``name`` or its staging sibling.
         """
-        if not name or os.path.basename(name) != name or name in (".", ".."):
-            raise ValueError(f"`name` must be a file or directory name inside `dirpath`, got {name!r}.")
+        name = _checked_name(name)
         verdict = None
         if self.guard is not None:
             verdict = self.guard.agree(self.collective, global_step=global_step, state=state)
@@ -210,6 +215,26 @@ class CheckpointPublisher:
             save_checkpoint(path=staging, state=_unwrap_objects(state))
         elif self.is_global_zero:
             _atomic_save(_plain_state(state), staging)  # through fsspec: a local path or an object-storage URL
+
+
+def _local_path(fs: Any, dirpath: str) -> str:
+    """``dirpath`` on the local filesystem as a plain path: a ``file://`` URL without its protocol (a plain path is
+    kept as it is), so that what goes through ``os`` (the staging entry's check, the rename, the recovery) finds what
+    fsspec wrote."""
+    protocol, _ = split_protocol(dirpath)
+    return dirpath if protocol is None else str(fs._strip_protocol(dirpath))
+
+
+def _checked_name(name: Any) -> str:
+    """``name`` as a plain ``str`` file or directory name inside ``dirpath``, or a ``ValueError``."""
+    path = os.fspath(name) if isinstance(name, os.PathLike) else name
+    if not isinstance(path, str) or not path or os.path.basename(path) != path or path in (".", ".."):
+        raise ValueError(f"`name` must be a file or directory name inside `dirpath`, got {name!r}.")
+    # the recovery at the next publisher's construction would remove (or rename) such an entry: refused up front
+    if any(_hidden_for(path, suffix) is not None for suffix in (STAGING_SUFFIX, RETIRED_SUFFIX)):
+        raise ValueError(f"`name` {name!r} is shaped like a hidden staging or retired entry of the publisher (a "
+                         f"leading '.' and a {STAGING_SUFFIX!r} or {RETIRED_SUFFIX!r} suffix); choose another name.")
+    return path
 
 
 def _writes_only_the_path(collective: Any) -> bool:

@@ -296,7 +296,7 @@ class GuardedCheckpoint(_CheckpointBase):
         storage = storage_for(get_filesystem(dirpath))  # the directory's own: `_fs` is local until `setup`
         fallback = partial(super()._find_last_checkpoints, trainer)
         is_last = partial(packages.is_last_name, self.CHECKPOINT_NAME_LAST, self.FILE_EXTENSION)
-        return storage.last_checkpoints(str(dirpath), trainer.global_rank, is_last, fallback)
+        return storage.last_checkpoints(str(dirpath), trainer.global_rank, is_last, fallback, trainer.state.fn == "fit")
 
     # ------------------------------------------------------------------ state
 

@@ -103,18 +103,23 @@ class GuardedFit:
     @classmethod
     def set_up(cls, checkpoint: Any, trainer: Any, stage: str) -> GuardedFit:
         """At ``setup``, on every rank: seal the Trainer's writes, choose the write path once, and prepare the
-        directory (recover what an interrupted publication left, check it is writable, in one collective)."""
+        directory (recover what an interrupted publication left, check it is writable, in one collective). Only a fit
+        that can write there prepares it: a ``validate``/``test`` job pointed at a training's directory, or a
+        ``fast_dev_run``, must not remove what that training is writing, nor fail where ``ModelCheckpoint`` writes
+        nothing."""
         storage, dirpath = storage_for(checkpoint._fs), _dirpath(checkpoint)
         storage.refuse_strategy(trainer.strategy, dirpath)  # before anything is installed or written
         PublicationSeal.install(trainer, checkpoint)
         fit = cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
 
-        def writable_error() -> Exception | None:
-            if stage != "fit" or dirpath is None:
-                return None
-            return unwritable_dirpath_error(dirpath, trainer.global_rank, trainer.global_step)
+        prepared = dirpath if stage == "fit" and _may_write(checkpoint, trainer) else None
 
-        storage.prepare(trainer.strategy, dirpath, writable_error, rank_zero_warn)
+        def writable_error() -> Exception | None:
+            if prepared is None:
+                return None
+            return unwritable_dirpath_error(prepared, trainer.global_rank, trainer.global_step)
+
+        storage.prepare(trainer.strategy, prepared, writable_error, rank_zero_warn)  # None: the barrier alone
         return fit
 
     def start_fitting(self, pl_module: Any) -> None:
@@ -463,6 +468,16 @@ def link_in_boundary(link: Any, trainer: Any, filepath: str, linkpath: str, guar
     checkpoint: Any = transaction.checkpoint
     fit: GuardedFit = checkpoint._fit_for(trainer)
     fit.writer.link(filepath, linkpath, partial(link, trainer))
+
+
+def _may_write(checkpoint: Any, trainer: Any) -> bool:
+    """Whether a fit of ``trainer`` can write into ``checkpoint``'s ``dirpath`` at all, as ``ModelCheckpoint``
+    decides: never under ``fast_dev_run``, nor with ``save_top_k=0`` and neither ``last`` nor an exception
+    checkpoint."""
+    if trainer.fast_dev_run:
+        return False
+    return checkpoint.save_top_k != 0 or bool(checkpoint.save_last) or bool(getattr(checkpoint, "save_on_exception",
+                                                                                          False))
 
 
 def drop_missing_checkpoints(checkpoint: Any, fit: GuardedFit | None) -> None:

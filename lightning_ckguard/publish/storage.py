@@ -56,10 +56,11 @@ class LocalStorage:
         return fallback()
 
     def last_checkpoints(self, dirpath: str, rank: int, is_last_name: Callable[[str], bool],
-                         fallback: Callable[[], set[str]]) -> set[str]:
+                         fallback: Callable[[], set[str]], fitting: bool = True) -> set[str]:
         """Candidates for ``ckpt_path="last"``: ``ModelCheckpoint``'s listing (``fallback``), after resolving what an
-        interrupted publication left (every rank may run it at once)."""
-        actions = recover(dirpath)
+        interrupted publication left (every rank may run it at once). Not for another stage (``fitting=False``): a
+        ``test`` job may run beside the training that writes there."""
+        actions = recover(dirpath) if fitting else []
         if actions:  # whichever rank got there first did it: that rank says so
             warnings.warn(f"FiniteGradCheckpoint (rank {rank}) {'; '.join(actions)}.", stacklevel=3)
         return fallback()
@@ -124,7 +125,7 @@ class ObjectStorage:
         return removal_allowed(self.fs, previous, current, dirpath, resumed_from)
 
     def last_checkpoints(self, dirpath: str, rank: int, is_last_name: Callable[[str], bool],
-                         fallback: Callable[[], set[str]]) -> set[str]:
+                         fallback: Callable[[], set[str]], fitting: bool = True) -> set[str]:
         """The newest ``last`` as a full URL (``ModelCheckpoint`` would list protocol-less paths, then look them up on
         the local disk)."""
         return newest_last_checkpoint(self.fs, dirpath, is_last_name)

@@ -89,6 +89,11 @@ class Writer(Protocol):
         """The fit is over: stop threads, give back what was replaced."""
 
 
+def _gone(staging: str) -> None:
+    raise FileNotFoundError(f"The checkpoint written to {staging} was gone before it could be published (removed by "
+                            "another process?).")
+
+
 class _HeldFailure:
     """A failure rank 0 met after the boundary's last collective, held for the next agreement. ``unpublished``: the
     boundary it belongs to was not published (a move into place failed), so the ledger goes back to the one before
@@ -219,9 +224,13 @@ class StagedWriter(_HoldsFailures):
             raise
         self._written.append(filepath)
         self._acted_alone = True  # rank 0's move into place follows
-        # a write that left nothing there (a checkpoint IO writing elsewhere) has nothing to publish
-        if rank_zero and os.path.lexists(staging):
+        if not rank_zero:
+            return
+        if os.path.lexists(staging):
             self._in_place(filepath, staging, partial(self._move_into_place, staging, filepath))
+        else:  # only Lightning's own write is staged, and it leaves its file there: gone (another job's recovery
+            # removed it) is a failed publication, held and raised on every rank, not a checkpoint the ledger lists
+            self._hold_unpublishing(partial(_gone, staging), filepath)
 
     def link(self, target: str, linkpath: str, link: Link) -> None:
         if os.path.abspath(target) == os.path.abspath(linkpath):

@@ -42,12 +42,18 @@ class GradientSource(Protocol):
         ...
 
 
+#: Wrapper modules by class name, and the attribute that holds the module each wraps: Fabric's, DDP's, and
+#: ``torch.compile``'s ``OptimizedModule`` (whose parameters would otherwise be named ``_orig_mod.<name>``).
+_MODULE_WRAPPERS = {"_FabricModule": "module", "DistributedDataParallel": "module", "OptimizedModule": "_orig_mod"}
+
+
 def unwrap_module(module: nn.Module) -> nn.Module:
-    """The user's own module inside Fabric's and DDP's wrappers, so reports use its parameter names."""
+    """The user's own module inside Fabric's, DDP's and ``torch.compile``'s wrappers, so reports use its parameter
+    names."""
     while True:
-        kind = type(module).__name__
-        inner = getattr(module, "module", None)
-        if kind in ("_FabricModule", "DistributedDataParallel") and isinstance(inner, nn.Module):
+        attribute = _MODULE_WRAPPERS.get(type(module).__name__)
+        inner = getattr(module, attribute, None) if attribute is not None else None
+        if isinstance(inner, nn.Module) and inner is not module:
             module = inner
         else:
             return module

@@ -286,7 +286,9 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
     (sharded strategies restore their own shards), clear the gradients of the modules and optimizers in ``state``
     (``zero_grad(set_to_none=True)``: gradients accumulated so far, e.g. by micro-batches before the boundary, were
     computed from the discarded weights), then start a fresh window of ``guard``, the losses already given for the
-    step under way dropped with it. Returns what the checkpoint held besides ``state``, as ``fabric.load`` does.
+    step under way dropped with it; an accepted window that was never published (its write failed) teaches a spike
+    gate nothing, so its history stays that of the last checkpoint published. Returns what the checkpoint held
+    besides ``state``, as ``fabric.load`` does.
 
     Call it on every rank at the same point, with the same ``path``: after a rejected ``guard.agree(...)``, with the
     path of the last checkpoint you published. Your own counters (step, epoch, data position) are yours to keep
@@ -307,8 +309,9 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
         raise CheckpointRestoreError(ranks=failed.ranks, filepath=str(path), cause=failed.cause) from failure
     _clear_gradients(state.values())  # only once every rank loaded: the agreement above is the only collective
     if guard is not None:
-        # the restored weights are the accepted ones: the next window starts clean, without the step under way
-        guard.reset(discard_step_under_way=True)
+        # the restored weights are the accepted ones: the next window starts clean, without the step under way; a
+        # window accepted but never published (its write failed) is thrown away with them, so the gate learns nothing
+        guard.reset(discard_step_under_way=True, learn=False)
     return remainder
 
 

@@ -148,6 +148,57 @@ def test_a_name_outside_dirpath_is_a_value_error(tmp_path, name):
         CheckpointPublisher(None, tmp_path).save(name, {})
 
 
+@pytest.mark.parametrize("name", [".model.ckguard-staging", ".step=1.ckpt.ckguard-retired",
+                                  ".ckguard-probe-1-a.ckguard-staging"])
+def test_a_name_shaped_like_a_hidden_entry_is_a_value_error_and_writes_nothing(tmp_path, name):
+    """The next publisher's recovery would remove it (or rename it over another checkpoint)."""
+    publisher = CheckpointPublisher(None, tmp_path)
+    with pytest.raises(ValueError, match="hidden staging or retired entry"):
+        publisher.save(name, {"x": torch.ones(1)})
+    assert os.listdir(tmp_path) == []
+    publisher.save("keep.ckguard-retired", {"x": torch.ones(1)})  # no leading '.': no hidden entry, kept by recovery
+    CheckpointPublisher(None, tmp_path)
+    assert os.listdir(tmp_path) == ["keep.ckguard-retired"]
+
+
+def test_a_path_like_name_is_published_under_its_string(tmp_path):
+    CheckpointPublisher(None, tmp_path).save(Path("step=1.ckpt"), {"step": 1})
+    assert os.listdir(tmp_path) == ["step=1.ckpt"]
+    assert torch.load(tmp_path / "step=1.ckpt", weights_only=True)["step"] == 1
+    with pytest.raises(ValueError, match="name"):
+        CheckpointPublisher(None, tmp_path).save(Path("sub") / "step=2.ckpt", {"step": 2})
+
+
+@pytest.mark.parametrize("name", [5, None, b"step=1.ckpt", ["step=1.ckpt"]], ids=["int", "None", "bytes", "list"])
+def test_a_name_that_is_no_string_is_a_value_error(tmp_path, name):
+    with pytest.raises(ValueError, match="name"):
+        CheckpointPublisher(None, tmp_path).save(name, {})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("with_fabric", [False, True], ids=["process", "fabric"])
+def test_a_file_url_dirpath_publishes_as_its_plain_path_does(tmp_path, with_fabric):
+    """fsspec writes the staging entry at the URL's path; the check for it, the rename and the recovery go through
+    ``os``, which knows no URLs: the published name must be there, and nothing hidden left."""
+    model = _model()
+    collective = None
+    if with_fabric:
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model, collective = fabric.setup(model), fabric.strategy
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".old.ckpt.ckguard-staging").write_bytes(b"cut off")  # what a crash left: recovered
+    guard = GradientGuard(model)
+    with pytest.warns(UserWarning, match="removed the unpublished partial checkpoint"):
+        publisher = CheckpointPublisher(collective, f"file://{tmp_path}/ckpt", guard=guard)
+    model(torch.randn(3, 4)).sum().backward()
+    guard.record()
+    verdict = publisher.save("step=1.ckpt", {"model": model, "step": 1})
+    assert verdict is not None and verdict.accepted
+    assert os.listdir(tmp_path / "ckpt") == ["step=1.ckpt"]
+    assert torch.load(tmp_path / "ckpt" / "step=1.ckpt", weights_only=True)["step"] == 1
+    assert guard.steps_recorded == 0  # a fresh window: it was published
+
+
 def test_object_storage_with_a_strategy_that_writes_local_paths_is_a_value_error():
     from lightning.fabric.strategies import FSDPStrategy
 

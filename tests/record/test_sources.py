@@ -1,5 +1,6 @@
 """Gradient sources without a process group: DeepSpeed's partitions read from a stand-in engine, which source a
-strategy gets, and the parameters ``param.grad`` is read from as the module and its optimizers change."""
+strategy gets, the parameters ``param.grad`` is read from as the module and its optimizers change, and the names of a
+``torch.compile``d module's parameters."""
 
 from __future__ import annotations
 
@@ -236,3 +237,30 @@ def test_a_parameter_swapped_into_an_optimizers_group_is_read():
     guard.record(optimizer)
     verdict = guard.agree(None)
     assert not verdict.accepted and verdict.parameters == ("1.bias",)
+
+
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile``'s ``OptimizedModule`` around ``model``, built lazily: nothing here calls it, so no compiler
+    runs."""
+    try:
+        compiled = torch.compile(model)
+    except RuntimeError as error:  # a Python or platform torch.compile does not support
+        pytest.skip(f"torch.compile is unavailable: {error}")
+    assert type(compiled).__name__ == "OptimizedModule" and compiled._orig_mod is model
+    return compiled
+
+
+def test_a_compiled_modules_parameters_are_named_as_the_modules_own_in_a_rejection():
+    """Not ``_orig_mod.1.weight``: the gradients' names and the state check's are those of the module compiled."""
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    compiled = _compiled(model)
+    guard = GradientGuard(compiled)
+    model(torch.randn(3, 2)).sum().backward()
+    model[1].weight.grad[0, 0] = float("nan")
+    guard.record()
+    model[0].bias.data[0] = float("inf")  # and in the state about to be written
+    error = guard.agree(None, state={"model": compiled}).to_error()
+    assert error.parameters == ("1.weight",)
+    assert error.non_finite_state == ((0, "model: parameter 0.bias"),)

@@ -2,7 +2,8 @@
 given to a spike gate) was computed from the discarded weights, and must not join the restored weights' step.
 
 Lightning (automatic and manual optimization) through ``restore_trainer_state``; Fabric through
-``restore_fabric_state``; and the guard's ``reset(discard_step_under_way=True)`` on its own.
+``restore_fabric_state``; and the guard's ``reset(discard_step_under_way=True)`` on its own. A Fabric rewind past a
+window the agreement accepted but whose write failed teaches a spike gate nothing of it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from lightning.pytorch.callbacks import Callback
 from rewind_helpers import checkpoint_loads_finite
 
 from helpers import QUIET, FaultyModel
-from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, SpikeGate, restore_fabric_state
+from lightning_ckguard import (
+    CheckpointPublisher,
+    FiniteGradCheckpoint,
+    GradientGuard,
+    SpikeGate,
+    restore_fabric_state,
+)
 from lightning_ckguard.record import step_values as rows
 
 
@@ -151,3 +158,36 @@ def test_an_accepted_window_another_guards_rewind_threw_away_teaches_the_gate_no
     assert guard.agree(None).accepted  # accepted, not yet published: then another guard rewinds the run under it
     guard.reset(discard_step_under_way=True, learn=learn)
     assert len(guard.state_dict()["spike_history"]["loss"]) == (3 if learn else 0)
+
+
+@pytest.mark.parametrize("guard_in_state", [False, True], ids=["guard-kept", "guard-restored"])
+def test_a_rewind_past_an_accepted_window_whose_write_failed_teaches_the_gate_nothing(tmp_path, guard_in_state):
+    """``restore_fabric_state`` after a save the agreement accepted but whose write failed: the window it throws away
+    was never published, so the gate's history is the one the checkpoint restored holds, not that window learned on
+    top of it (with the guard restored from the file too)."""
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    guard = GradientGuard(model, spike_gate=SpikeGate(measures=("loss",), warmup_steps=0, history=8))
+    publisher = CheckpointPublisher(fabric.strategy, tmp_path, guard=guard)
+
+    def steps(loss: float) -> None:
+        for _ in range(2):
+            optimizer.zero_grad()
+            fabric.backward(model(torch.randn(2, 4)).sum() * 0)
+            guard.record(optimizer, loss=torch.tensor(loss))
+            optimizer.step()
+
+    steps(1.0)
+    publisher.save("a.ckpt", {"model": model, "optimizer": optimizer, "guard": guard})
+    steps(5.0)
+    with pytest.raises(Exception, match="pickle"):  # torch.save cannot pickle a lambda: the write fails
+        publisher.save("b.ckpt", {"model": model, "optimizer": optimizer, "guard": guard, "bad": lambda: None})
+    assert publisher.last_verdict is not None and publisher.last_verdict.accepted
+    assert os.listdir(tmp_path) == ["a.ckpt"]
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, **({"guard": guard} if guard_in_state else {})}
+    restore_fabric_state(fabric, str(tmp_path / "a.ckpt"), state, guard)
+    held = torch.load(tmp_path / "a.ckpt", weights_only=True)["guard"]["spike_history"]
+    assert held == {"loss": [1.0, 1.0]}
+    assert guard.state_dict()["spike_history"] == held
