@@ -132,7 +132,8 @@ class CheckpointPublisher:
         # a user's IO wrote at the name itself: a failed write's leftovers go through its own removal, as the
         # callback's rollback removes them (a sidecar too); nothing is left at the name by a staged write
         self._remove: Callable[[str], None] = discard if staged_io else collective.checkpoint_io.remove_checkpoint
-        self._local = storage.stages_writes
+        self._local, self._storage = storage.stages_writes, storage
+        self._kept: list[str] = []  # names whose replaced checkpoint is kept for readers (rank 0)
         made = self._make_dirpath(storage.fs)
         # rank 0 recovers what a crash left; no rank writes before that (the one collective here, which also tells
         # every rank of a failure of rank 0's, so that none raises alone)
@@ -185,8 +186,10 @@ class CheckpointPublisher:
         moves it into place, and the move's outcome is agreed right away (a Trainer's fit lets it ride in the next
         agreement; a loop of its own may not agree again); on object storage the upload is the publication."""
         writer = self._writer
+        self._release_kept_copies()  # the previous save's, kept for readers until now
         # a name this save makes is removed again if the write fails (rank 0; an upload is whole or absent)
-        created = (path,) if self.is_global_zero and self._local and not os.path.lexists(path) else ()
+        existed = self.is_global_zero and self._local and os.path.lexists(path)
+        created = (path,) if self.is_global_zero and self._local and not existed else ()
         writer.open(None)
         try:
             writer.save(path, partial(self._write_agreed, state=state, path=path))
@@ -197,6 +200,23 @@ class CheckpointPublisher:
         failure = writer.finish(self.collective, during_exception=False)
         if failure is not None:
             raise failure.error
+        if existed:
+            self._kept.append(path)
+
+    def close(self) -> None:
+        """Remove what the last ``save`` kept for readers (rank 0): a directory checkpoint that replaced one of its name
+        keeps the old one under a hidden name until the next ``save``, so that a reader inside it is not cut off.
+        Call it when the loop is done, on every rank (no collective); a ``save`` after it works as before."""
+        self._release_kept_copies()
+
+    def _release_kept_copies(self) -> None:
+        kept, self._kept = self._kept, []
+        try:
+            for path in kept:
+                self._storage.release_retired(path)
+        except OSError as error:  # rank 0 alone: a warning, never an error the other ranks would not raise
+            warnings.warn(f"CheckpointPublisher could not remove the copies kept for readers in {self.dirpath}: "
+                          f"{error}", stacklevel=3)
 
     def _write_agreed(self, staging: str, flush: Flush, state: dict[str, Any], path: str) -> None:
         failure: Exception | None = None

@@ -85,6 +85,16 @@ def test_an_fsdp2_distributed_checkpoint_is_published_whole_as_one_directory(ran
     assert [r["fsdp2-directory"]["loaded_step"] for r in ranks] == [12, 12]
 
 
+@pytest.mark.multiprocess
+def test_a_directory_replaced_under_its_name_is_kept_for_readers_until_the_next_save_or_close(ranks):
+    kept = ranks[0]["fsdp2-directory"]["kept"]
+    published = ["last.ckpt", "step=12.ckpt", "step=4.ckpt"]
+    assert kept["first"] == published  # nothing replaced yet
+    # the replaced directory is kept under a hidden name while a reader may still be inside it; one copy at most
+    assert kept["second"] == kept["third"] == [".last.ckpt.ckguard-retired", *published]
+    assert kept["closed"] == published
+
+
 # ------------------------------------------------------------------------------------------ one process
 
 

@@ -114,7 +114,21 @@ def _train(out: str, name: str, kind: str, fault_rank: int | None, refuse_on_ran
         events.append(event)
     loaded = {"model": model, "optimizer": optimizer}
     remainder = fabric.load(os.path.join(dirpath, last_good), loaded) if last_good else {}
-    return {"events": events, "loaded_step": remainder.get("step"), "shards": _shards(dirpath, last_good, fabric)}
+    return {"events": events, "loaded_step": remainder.get("step"), "shards": _shards(dirpath, last_good, fabric),
+            "kept": _twice_under_one_name(publisher, {"model": model, "optimizer": optimizer}, fabric, dirpath)}
+
+
+def _twice_under_one_name(publisher: CheckpointPublisher, state: dict[str, Any], fabric: Fabric, dirpath: str
+                          ) -> dict[str, list[str]] | None:
+    """``last.ckpt`` saved three times, then ``close()``: the listing after each (rank 0)."""
+    listings: dict[str, list[str]] = {}
+    for when in ("first", "second", "third"):
+        publisher.save("last.ckpt", state)
+        listings[when] = sorted(os.listdir(dirpath))
+    publisher.close()
+    fabric.barrier()
+    listings["closed"] = sorted(os.listdir(dirpath))
+    return listings if fabric.global_rank == 0 else None
 
 
 def _shards(dirpath: str, name: str | None, fabric: Fabric) -> list[str] | None:
