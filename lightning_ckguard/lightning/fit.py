@@ -86,7 +86,7 @@ class GuardedFit:
         self.vote: TopKVote | None = None  # this boundary's top-K vote, when it took one
         self._voted_on: Any = None  # the monitored value it was taken on
         self._collected: tuple[Verdict, Sequence[int]] | None = None  # agreed with the vote, not yet applied
-        self._saved: list[str] = []  # what this boundary wrote (its links are not writes)
+        self._written_before: tuple[Any, Any] = (None, None)  # the last write when this boundary started
         self._rewind_due: BoundaryReport | None = None  # a rejected write outside the boundaries rewinds at the next
 
     @property
@@ -110,8 +110,6 @@ class GuardedFit:
         storage, dirpath = storage_for(checkpoint._fs), _dirpath(checkpoint)
         storage.refuse_strategy(trainer.strategy, dirpath)  # before anything is installed or written
         PublicationSeal.install(trainer, checkpoint)
-        fit = cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
-
         prepared = dirpath if stage == "fit" and _may_write(checkpoint, trainer) else None
 
         def writable_error() -> Exception | None:
@@ -120,7 +118,8 @@ class GuardedFit:
             return unwritable_dirpath_error(prepared, trainer.global_rank, trainer.global_step)
 
         storage.prepare(trainer.strategy, prepared, writable_error, rank_zero_warn)  # None: the barrier alone
-        return fit
+        # only then the writer: one that takes over an AsyncCheckpointIO is given back by a fit that got this far
+        return cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
 
     def start_fitting(self, pl_module: Any) -> None:
         """At ``on_fit_start`` (parameter identities are final): the guard, the rewind log; unseal a new fit."""
@@ -169,7 +168,7 @@ class GuardedFit:
         if self.decisions.rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
         top_k_before = set(self.checkpoint.best_k_models)
-        self._saved = []
+        self._written_before = self._last_write()
         try:
             outcome = run_boundary(self.checkpoint, hook, agree=lambda: self._agree_at_boundary(name),
                                    writer=self.writer, remove=self.evict)
@@ -221,7 +220,6 @@ class GuardedFit:
         self.writer.save(filepath, lambda path, flush: save_flushed(trainer, path, flush, checkpoint.save_weights_only))
         checkpoint._last_global_step_saved = trainer.global_step
         checkpoint._last_checkpoint_saved = filepath
-        self._saved.append(filepath)
         if trainer.is_global_zero:  # after the move into place, so a logger that uploads the file finds it
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(checkpoint))
@@ -320,7 +318,8 @@ class GuardedFit:
         rewrites with other weights), else the file it wrote last (``last``, which holds the same state)."""
         assert self.rewind_log is not None
         written = [path for path in self.checkpoint.best_k_models if path not in top_k_before]
-        path = written[-1] if written else self._saved[-1] if self._saved else None
+        wrote = self._last_write() != self._written_before  # a subclass's own write too (``ModelCheckpoint``'s fields)
+        path = written[-1] if written else self.checkpoint._last_checkpoint_saved if wrote else None
         if path:  # a boundary that only moved a link wrote no state of this position
             self.rewind_log.note_published(path, Position.of(self.trainer))
 
@@ -345,6 +344,10 @@ class GuardedFit:
         )
         hold_metrics(self.trainer, {"ckguard/rewinds": float(rewind.number)})
 
+    def _last_write(self) -> tuple[Any, Any]:
+        """What ``ModelCheckpoint`` records of its last write: a boundary that wrote changes it, a link does not."""
+        return self.checkpoint._last_checkpoint_saved, self.checkpoint._last_global_step_saved
+
     def _rewind_if_due(self, during_exception: bool) -> bool:
         """A write outside the boundaries rejected under ``"rewind"`` (a manual save inside ``training_step``, whose
         backward still needs the weights it read) rewinds here, at the callback's next hook, on every rank. While an
@@ -365,6 +368,7 @@ class GuardedFit:
             other = getattr(callback, "_fit", None)
             if isinstance(other, GuardedFit) and other is not self and other.guard is not None:
                 other.guard.reset(discard_step_under_way=True, learn=False)
+                other._rewind_due = None  # its own rejection of the same weights: rewound already
 
     # ------------------------------------------------------------------ writes outside the boundaries
 
@@ -411,7 +415,14 @@ class GuardedFit:
 
     def tear_down(self) -> None:
         """Give the Trainer back its own ``save_checkpoint`` (not after a rejection: the seal stays), stop the
-        writer, and log the ``ckguard/*`` values no flush carried."""
+        writer, and log the ``ckguard/*`` values no flush carried. A rewind still due (a write rejected after the
+        callback's last hook) can no longer happen: the run is sealed instead, so the weights it left are never
+        published."""
+        if self._rewind_due is not None:
+            report, self._rewind_due = self._rewind_due, None
+            self.decisions.rejection = report.to_error()
+            rank_zero_warn(f"{report.message} The fit ended before the weights could go back: nothing is published "
+                           f"from this process any more.")
         if self.decisions.rejection is None:
             PublicationSeal.uninstall(self.trainer, self.checkpoint)
         self.writer.release()

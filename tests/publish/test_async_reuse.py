@@ -204,3 +204,14 @@ def test_a_queued_manual_save_of_last_does_not_take_the_boundary_s_place(tmp_pat
         outcomes[cls.__name__] = (steps, relative_paths(ledger_state(callback), dirpath))
     assert outcomes["FiniteGradCheckpoint"] == outcomes["ModelCheckpoint"]
     assert outcomes["ModelCheckpoint"][0]["last.ckpt"] == 4
+
+
+def test_a_fit_whose_setup_fails_leaves_the_plugin_as_it_was(tmp_path):
+    # the dirpath cannot be made (its parent is a file): setup raises, and Lightning runs no teardown
+    (tmp_path / "a_file").write_text("")
+    plugin = AsyncCheckpointIO()
+    callback = FiniteGradCheckpoint(dirpath=tmp_path / "a_file" / "ckpts")
+    trainer = Trainer(max_steps=2, callbacks=[callback], plugins=[plugin], devices=1, limit_val_batches=0, **QUIET)
+    with pytest.raises(PermissionError, match="cannot write checkpoints"):
+        trainer.fit(FaultyModel())
+    assert type(plugin._checkpoint_io) is TorchCheckpointIO and "save_checkpoint" not in vars(plugin)

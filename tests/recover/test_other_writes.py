@@ -9,11 +9,12 @@ import os
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from helpers import QUIET, FaultyModel
-from lightning_ckguard import FiniteGradCheckpoint
+from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 from lightning_ckguard.recover.rewind import REWIND_LOG_NAME
 
 
@@ -112,3 +113,62 @@ def test_a_rewind_records_the_step_its_checkpoint_was_written_at_after_boundarie
     assert os.path.basename(rewind.checkpoint) == "epoch=0-step=4.ckpt" and published_at == 4
     assert (rewind.checkpoint_global_step, rewind.discarded_steps[0]) == (4, 4)
     assert (logged["checkpoint_global_step"], logged["discarded_steps"][0]) == (4, 4)  # the log says the same
+
+
+class SavesAtTrainEnd(FaultyModel):
+    """Saves by hand in its own ``on_train_end``, which Lightning runs after every callback's."""
+
+    def __init__(self, directory: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.directory = directory
+
+    def on_train_end(self) -> None:
+        self.trainer.save_checkpoint(os.path.join(self.directory, "final.ckpt"))
+
+
+def test_a_rewind_still_due_when_the_fit_ends_seals_the_run(tmp_path):
+    # the NaN update at step 9 and no boundary after it: the save in the module's on_train_end is rejected, and no hook
+    # of the callback is left to rewind at; nothing may publish those weights afterwards
+    seed_everything(0)
+    checkpoint = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}",
+                                      on_non_finite="rewind")
+    trainer = Trainer(max_steps=10, limit_val_batches=0, callbacks=[checkpoint], devices=1, **QUIET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(SavesAtTrainEnd(tmp_path, fault_steps=[9], sanitize=False))
+    assert any("The fit ended before the weights could go back" in str(w.message) for w in caught)
+    with pytest.raises(NonFiniteGradientError, match="global step 10"):
+        trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert _on_disk(tmp_path) == {"step=4.ckpt", "step=8.ckpt"}
+
+
+class SavesWithoutSuper(FiniteGradCheckpoint):
+    """``ModelCheckpoint._save_checkpoint``'s own body, through ``trainer.save_checkpoint``, without ``super()``."""
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        trainer.save_checkpoint(filepath, self.save_weights_only)
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+
+
+def test_a_subclass_that_saves_without_super_can_rewind(tmp_path):
+    seed_everything(0)
+    checkpoint = SavesWithoutSuper(dirpath=tmp_path, every_n_train_steps=4, filename="{step}", on_non_finite="rewind")
+    model = FaultyModel(fault_steps=[5], sanitize=False)
+    Trainer(max_steps=12, limit_val_batches=0, callbacks=[checkpoint], devices=1, **QUIET).fit(model)
+    assert [(r.global_step, os.path.basename(r.checkpoint)) for r in checkpoint.rewinds] == [(8, "step=4.ckpt")]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_manual_save_both_guards_rejected_is_rewound_once(tmp_path):
+    # both guards reject the save inside step 6's training_step; the first one's rewind settles the second one's too
+    seed_everything(0)
+    first = FiniteGradCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=4, save_top_k=-1, filename="a-{step}",
+                                 on_non_finite="rewind")
+    second = FiniteGradCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=50, save_top_k=-1, filename="b-{step}",
+                                  on_non_finite="rewind")
+    model = SavesInTrainingStep({6}, tmp_path, fault_steps=[5], sanitize=False)
+    _fit(model, [first, second], max_steps=12)
+    assert [(r.global_step, os.path.basename(r.checkpoint)) for r in first.rewinds] == [(7, "a-step=4.ckpt")]
+    assert second.rewinds == ()  # without: it raised at its own hook, having no checkpoint to go back to
+    assert all(torch.isfinite(p).all() for p in model.parameters())
