@@ -225,8 +225,8 @@ class PluginWrites:
                 del self._armed[str(filepath)]
 
     def forget(self, filepath: str, expected: _ExpectedWrite) -> None:
-        """``expected`` will never be handed over (the save failed before the plugin queued it, or the plugin's
-        thread has run past it)."""
+        """``expected`` will never be handed over: the plugin's thread has run past it. (A save that raised keeps its
+        note until the thread runs past it, as the plugin may have queued it: :meth:`disarm` only.)"""
         self.disarm(filepath, expected)
         with self._lock:
             waiting = self._submitted.get(str(filepath), deque())

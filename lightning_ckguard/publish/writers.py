@@ -328,7 +328,9 @@ class BackgroundWriter:
             write(filepath, _nothing_to_flush)  # the plugin hands the checkpoint over; its unit writes and flushes
         except BaseException:
             if expected is not None:
-                writes.forget(filepath, expected)
+                # the plugin may have queued the write before raising (an earlier write's error): its thread then
+                # hands the checkpoint to this expected write, which nobody takes, and never writes it at its name
+                writes.disarm(filepath, expected)
             raise
         if expected is not None:
             writes.disarm(filepath, expected)  # only this call of the plugin was the boundary's

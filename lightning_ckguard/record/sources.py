@@ -153,8 +153,10 @@ class ParameterGradients:
         self._replicas: dict[int, int] = {}  # parameter index -> replica count, for counts other than 1
         # The module's parameters are taken at each read (a layer added later, a lazy one, a replaced one), listed
         # anew only when the ids of its parameter slots change. Each list holds its parameters, so an id in its key
-        # cannot be a new tensor's: the same holds for the optimizers' lists below
-        self._module = module
+        # cannot be a new tensor's: the same holds for the optimizers' lists below. The module is held weakly: a
+        # LightningModule reaches its Trainer, its strategy and the process group, which must go when the fit's
+        # objects go, not with this guard at interpreter exit (gloo's threads then abort the process)
+        self._module = weakref.ref(module)
         self._module_params: tuple[tuple[int, ...], list[tuple[int, Tensor]]] = ((), [])
         self._params_of_module()
         # per optimizer: (its parameters' ids when cached, [(index, param)]); rebuilt when they change. Held weakly, by
@@ -168,10 +170,13 @@ class ParameterGradients:
         return self._parameters.names
 
     def _params_of_module(self) -> list[tuple[int, Tensor]]:
-        key = _parameter_slots(self._module)
+        module = self._module()
+        if module is None:  # gone: nothing of it to read
+            return []
+        key = _parameter_slots(module)
         if key != self._module_params[0]:
-            self._parameters.add_module_parameters(self._module)  # the new ones under their names
-            self._module_params = (key, [self._indexed(p) for p in self._module.parameters()])
+            self._parameters.add_module_parameters(module)  # the new ones under their names
+            self._module_params = (key, [self._indexed(p) for p in module.parameters()])
         return self._module_params[1]
 
     def _params_of(self, optimizer: Any) -> list[tuple[int, Tensor]]:
@@ -179,7 +184,9 @@ class ParameterGradients:
         key = tuple(map(id, chain.from_iterable(group["params"] for group in groups)))
         cached = self._optimizer_params.get(optimizer)
         if cached is None or cached[0] != key:
-            self._parameters.add_module_parameters(self._module)  # the module's new ones under their names
+            module = self._module()
+            if module is not None:
+                self._parameters.add_module_parameters(module)  # the module's new ones under their names
             cached = (key, [self._indexed(p) for group in groups for p in group["params"]])
             self._optimizer_params[optimizer] = cached
         return cached[1]
