@@ -132,7 +132,7 @@ class CheckpointPublisher:
         # a user's IO wrote at the name itself: a failed write's leftovers go through its own removal, as the
         # callback's rollback removes them (a sidecar too); nothing is left at the name by a staged write
         self._remove: Callable[[str], None] = discard if staged_io else collective.checkpoint_io.remove_checkpoint
-        self._local, self._storage = storage.stages_writes, storage
+        self._storage = storage
         self._kept: list[str] = []  # names whose replaced checkpoint is kept for readers (rank 0)
         made = self._make_dirpath(storage.fs)
         # rank 0 recovers what a crash left; no rank writes before that (the one collective here, which also tells
@@ -188,8 +188,9 @@ class CheckpointPublisher:
         writer = self._writer
         self._release_kept_copies()  # the previous save's, kept for readers until now
         # a name this save makes is removed again if the write fails (rank 0; an upload is whole or absent)
-        existed = self.is_global_zero and self._local and os.path.lexists(path)
-        created = (path,) if self.is_global_zero and self._local and not existed else ()
+        local = self.is_global_zero and self._storage.stages_writes
+        existed = local and os.path.lexists(path)
+        created = (path,) if local and not existed else ()
         writer.open(None)
         try:
             writer.save(path, partial(self._write_agreed, state=state, path=path))

@@ -205,10 +205,10 @@ class PluginWrites:
 
     def _drain(self) -> None:
         """Block until the plugin's thread has run everything queued so far."""
-        executor = getattr(self.plugin, "_executor", None)
-        if executor is not None:
-            with contextlib.suppress(RuntimeError):  # shut down already: nothing is queued
-                executor.submit(_nothing).result()
+        with contextlib.suppress(RuntimeError):  # shut down already: nothing is queued
+            queued = self._behind_the_plugins_writes(_nothing)
+            if queued is not None:
+                queued.result()
 
     def expect(self, filepath: str) -> _ExpectedWrite:
         """The plugin is about to be asked to write ``filepath``: what it hands its base IO is the guard's to write."""
@@ -237,8 +237,7 @@ class PluginWrites:
         """What the unit runs as the write: wait until the plugin's thread has run everything queued so far (so this
         save too), then write what it handed over into staging with the plugin's base IO. A save the plugin never
         handed to its base IO (an override that writes by itself) leaves nothing in staging: nothing to publish."""
-        executor = getattr(self.plugin, "_executor", None)  # AsyncCheckpointIO's one worker: first in, first out
-        queued = executor.submit(_nothing) if executor is not None else None
+        queued = self._behind_the_plugins_writes(_nothing)
 
         def write() -> None:
             if queued is not None:
@@ -271,14 +270,18 @@ class PluginWrites:
             self._drop_when_run(key, submission)
 
     def _drop_when_run(self, key: str, submission: _Submission) -> None:
-        executor = getattr(self.plugin, "_executor", None)
         try:
-            if executor is not None:
-                executor.submit(self._drop, key, submission)
+            if self._behind_the_plugins_writes(self._drop, key, submission) is not None:
                 return
         except RuntimeError:  # shut down: nothing more runs there
             pass
         self._drop(key, submission)
+
+    def _behind_the_plugins_writes(self, task: Callable[..., None], *args: Any) -> Future[None] | None:
+        """``task(*args)`` queued on the plugin's thread (``AsyncCheckpointIO``'s one worker: first in, first out),
+        behind everything queued so far; None for a plugin without one. A thread shut down raises ``RuntimeError``."""
+        executor = getattr(self.plugin, "_executor", None)
+        return executor.submit(task, *args) if executor is not None else None
 
     def _drop(self, key: str, submission: _Submission) -> None:
         with self._lock:
