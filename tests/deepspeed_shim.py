@@ -1,9 +1,10 @@
-"""Run Lightning's ``DeepSpeedStrategy`` on CPU processes, for tests and the CPU demo only.
+"""Run Lightning's and Fabric's ``DeepSpeedStrategy`` on CPU processes, for tests and the CPU demo only.
 
 DeepSpeed is a CUDA strategy in Lightning: ``setup_environment`` refuses any other accelerator,
 ``setup_distributed`` validates CUDA device indices, and ``deepspeed.initialize`` is given the root device's index
 (``None`` on CPU). :class:`CPUDeepSpeedStrategy` removes exactly those three things; everything else (the engine,
 ZeRO partitioning, DeepSpeed's own checkpoint directories) is DeepSpeed's real code running on gloo.
+:class:`CPUFabricDeepSpeedStrategy` removes the same three from Fabric's ``DeepSpeedStrategy``.
 
 Import this module before DeepSpeed is imported anywhere: it selects DeepSpeed's CPU accelerator and turns off the
 shared-memory communication op, which DeepSpeed would otherwise JIT-compile (~80 s of C++) on first use.
@@ -27,6 +28,8 @@ except Exception as error:  # pragma: no cover - depends on the environment
     deepspeed = None
     DEEPSPEED_UNAVAILABLE = f"DeepSpeed is not importable: {type(error).__name__}: {error}"
 
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy  # noqa: E402
+from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy  # noqa: E402
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402
 from lightning.pytorch.strategies.ddp import DDPStrategy  # noqa: E402
@@ -65,6 +68,39 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         return engine, ds_optimizer
 
 
+class CPUFabricDeepSpeedStrategy(FabricDeepSpeedStrategy):
+    """Fabric's ``DeepSpeedStrategy`` on CPU processes (gloo). For tests and demonstrations, not for real training."""
+
+    def setup_environment(self) -> None:
+        # skips DeepSpeedStrategy's CUDAAccelerator check; DDPStrategy's own setup runs _setup_distributed
+        FabricDDPStrategy.setup_environment(self)
+
+    def _setup_distributed(self) -> None:
+        # DeepSpeedStrategy._setup_distributed without _validate_device_index_selection (CUDA device indices)
+        reset_seed()
+        self._set_world_ranks()
+        self._init_deepspeed_distributed()
+        if not self._config_initialized:
+            self._format_config()
+            self._config_initialized = True
+
+    def _initialize_engine(self, model: Any, optimizer: Any | None = None, scheduler: Any | None = None
+                           ) -> tuple[Any, Any, Any]:
+        # the parent passes device_rank=self.root_device.index, which is None for a CPU device
+        assert deepspeed is not None
+        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer, ds_scheduler
+
+
 def deepspeed_config(
     stage: int,
     precision: str,
@@ -96,4 +132,4 @@ def deepspeed_config(
     return config
 
 
-__all__ = ["CPUDeepSpeedStrategy", "DEEPSPEED_UNAVAILABLE", "deepspeed_config"]
+__all__ = ["CPUDeepSpeedStrategy", "CPUFabricDeepSpeedStrategy", "DEEPSPEED_UNAVAILABLE", "deepspeed_config"]

@@ -47,7 +47,8 @@ from lightning_ckguard.agree.agreement import (
 )
 from lightning_ckguard.agree.spikes import SpikeCheck, SpikeGate, SpikeHistory, StepMeasures, global_values, judge
 from lightning_ckguard.errors import StateCheckError
-from lightning_ckguard.record.sources import GradientSource, ParameterGradients, unwrap_module
+from lightning_ckguard.record.source_selection import default_gradient_source
+from lightning_ckguard.record.sources import GradientSource, unwrap_module
 from lightning_ckguard.record.squares import REPLICATED, SquaresLayout
 from lightning_ckguard.record.state_check import StateCheck
 from lightning_ckguard.record.state_sources import constant_buffers, named_state
@@ -64,7 +65,9 @@ class GradientGuard:
             Trainer with no LightningModule attached, driven by hand in a unit test): nothing is watched, and the
             agreement still runs.
         count_skipped_steps: Whether steps a loss scaler skipped (never applied) reject a boundary.
-        source: Where local gradients are read; defaults to ``param.grad`` of ``module``.
+        source: Where local gradients are read; defaults to ``param.grad`` of ``module``, or to a DeepSpeed engine's
+            local gradient partitions when ``module`` is the engine or what ``fabric.setup`` made of it (ZeRO leaves
+            nothing in ``param.grad``).
         device: Device of the window's state; defaults to the device of ``module``'s first parameter.
         spike_gate: Also reject a boundary whose window holds a step whose loss or global gradient norm spiked
             (:class:`~lightning_ckguard.SpikeGate`); off by default. Give each step's loss to :meth:`record` (or
@@ -82,12 +85,14 @@ class GradientGuard:
         spike_gate: SpikeGate | None = None,
     ) -> None:
         _check_arguments(module, count_skipped_steps, source, spike_gate)
+        if source is None:
+            source = default_gradient_source(module if module is not None else nn.Module())
         module = unwrap_module(module) if module is not None else nn.Module()
         if device is None:
             first = next(module.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
         self.count_skipped_steps = count_skipped_steps
-        self.source: GradientSource = source if source is not None else ParameterGradients(module)
+        self.source: GradientSource = source
         self.spike_gate = spike_gate
         self._spike_history = SpikeHistory(spike_gate) if spike_gate is not None else None
         self._accepted_window: StepMeasures | None = None  # learned by the next reset, once published

@@ -285,8 +285,8 @@ class GuardedCheckpoint(_CheckpointBase):
         the fit resumed from, nor one outside ``dirpath`` (Lightning issue #21813)."""
         fallback = partial(super()._should_remove_checkpoint, trainer, previous, current)
         dirpath = str(self.dirpath) if self.dirpath is not None else None
-        resumed_from = str(trainer.ckpt_path) if trainer.ckpt_path is not None else None
-        return bool(self._fit_for(trainer).storage.removal_allowed(previous, current, dirpath, resumed_from, fallback))
+        fit = self._fit_for(trainer)
+        return bool(fit.storage.removal_allowed(previous, current, dirpath, fit.resumed_from(), fallback))
 
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """Candidates for ``ckpt_path="last"``, found after resolving what an interrupted publication left behind

@@ -88,6 +88,7 @@ class GuardedFit:
         self._collected: tuple[Verdict, Sequence[int]] | None = None  # agreed with the vote, not yet applied
         self._written_before: tuple[Any, Any] = (None, None)  # the last write when this boundary started
         self._rewind_due: BoundaryReport | None = None  # a rejected write outside the boundaries rewinds at the next
+        self._resumed_from: str | None = None  # the checkpoint this fit resumed from, as the storage resolved it
 
     @property
     def rewind_log(self) -> RewindLog | None:
@@ -125,6 +126,8 @@ class GuardedFit:
         """At ``on_fit_start`` (parameter identities are final): the guard, the rewind log; unseal a new fit."""
         trainer, checkpoint, decisions = self.trainer, self.checkpoint, self.decisions
         self.guard = self._new_guard(gradient_source_for(trainer.strategy, pl_module))
+        if trainer.ckpt_path is not None:  # resolved now: a `last` link it was resumed through moves later
+            self._resumed_from = self.storage.resumed_checkpoint(str(trainer.ckpt_path))
         if checkpoint.on_non_finite == "rewind":  # every fit counts its rewinds from zero, resumed or not
             limit = DEFAULT_MAX_REWINDS if checkpoint.max_rewinds is None else checkpoint.max_rewinds
             log_dir = self.storage.rewind_log_dir(_dirpath(checkpoint))
@@ -138,6 +141,13 @@ class GuardedFit:
             )
             decisions.rejection = None
             self.guard.reset(pending_rejection=not resumed)
+
+    def resumed_from(self) -> str | None:
+        """The checkpoint this fit resumed from, never to be evicted: as resolved at the fit's start (the file a
+        ``last`` link pointed to then), else the Trainer's ``ckpt_path`` as it is."""
+        if self._resumed_from is not None:
+            return self._resumed_from
+        return str(self.trainer.ckpt_path) if self.trainer.ckpt_path is not None else None
 
     def record(self, optimizer: Any) -> None:
         """Record, on the device, whether the gradients ``optimizer`` is about to apply are finite."""
@@ -167,7 +177,7 @@ class GuardedFit:
             return  # the boundary is the rewind's, as a rejected one is
         if self.decisions.rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
-        top_k_before = set(self.checkpoint.best_k_models)
+        top_k_before = (set(self.checkpoint.best_k_models), self.checkpoint.best_model_path)
         self._written_before = self._last_write()
         try:
             outcome = run_boundary(self.checkpoint, hook, agree=lambda: self._agree_at_boundary(name),
@@ -313,13 +323,16 @@ class GuardedFit:
             raise decisions.rejection  # type: ignore[misc]  # set just above: RAISE seals
         rank_zero_warn(f"{report.message} {_RESPONSE_WORDS[response]}")
 
-    def _note_published(self, top_k_before: set[str]) -> None:
+    def _note_published(self, top_k_before: tuple[set[str], str]) -> None:
         """Remember what a rewind would go back to: the top-K file this boundary wrote (a name no later boundary
         rewrites with other weights), else the file it wrote last (``last``, which holds the same state)."""
         assert self.rewind_log is not None
-        written = [path for path in self.checkpoint.best_k_models if path not in top_k_before]
+        checkpoint, (ledger_before, best_before) = self.checkpoint, top_k_before
+        written = [path for path in checkpoint.best_k_models if path not in ledger_before]
+        if not written and checkpoint.monitor is None and checkpoint.best_model_path != best_before:
+            written = [checkpoint.best_model_path]  # without a monitor, the top-K files stay out of best_k_models
         wrote = self._last_write() != self._written_before  # a subclass's own write too (``ModelCheckpoint``'s fields)
-        path = written[-1] if written else self.checkpoint._last_checkpoint_saved if wrote else None
+        path = written[-1] if written else checkpoint._last_checkpoint_saved if wrote else None
         if path:  # a boundary that only moved a link wrote no state of this position
             self.rewind_log.note_published(path, Position.of(self.trainer))
 

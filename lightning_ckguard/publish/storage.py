@@ -7,6 +7,7 @@ takes ``ModelCheckpoint``'s own answer (``fallback``) and returns it where ``Mod
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -50,9 +51,17 @@ class LocalStorage:
         """``ModelCheckpoint.file_exists`` (``fallback``): right on local disk."""
         return fallback()
 
+    def resumed_checkpoint(self, path: str) -> str:
+        """At the fit's start: the file it resumed from, with links resolved (``ckpt_path="last"`` names the ``last``
+        link, which later boundaries move, and ``ModelCheckpoint`` would then evict the file it pointed to)."""
+        return os.path.realpath(path)
+
     def removal_allowed(self, previous: str, current: str, dirpath: str | None, resumed_from: str | None,
                         fallback: Callable[[], bool]) -> bool:
-        """``ModelCheckpoint._should_remove_checkpoint`` (``fallback``): right on local disk."""
+        """``ModelCheckpoint._should_remove_checkpoint`` (``fallback``), and never the file the fit resumed from
+        (``resumed_from``, as :meth:`resumed_checkpoint` resolved it), whatever link it was resumed through."""
+        if resumed_from is not None and os.path.realpath(previous) == resumed_from:
+            return False
         return fallback()
 
     def last_checkpoints(self, dirpath: str, rank: int, is_last_name: Callable[[str], bool],
@@ -118,6 +127,10 @@ class ObjectStorage:
     def file_exists(self, strategy: Any, path: str, fallback: Callable[[], bool]) -> bool:
         """Rank 0 looks; a failed look raises on every rank, in the one collective ``ModelCheckpoint`` makes."""
         return exists_on_every_rank(strategy, self.fs, path, strategy.is_global_zero)
+
+    def resumed_checkpoint(self, path: str) -> str:
+        """At the fit's start: the object it resumed from (object storage has no links)."""
+        return path
 
     def removal_allowed(self, previous: str, current: str, dirpath: str | None, resumed_from: str | None,
                         fallback: Callable[[], bool]) -> bool:

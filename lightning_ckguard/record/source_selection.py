@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_ckguard._distributed import is_deepspeed_strategy
 from lightning_ckguard.record.deepspeed_sources import DeepSpeedGradients, is_deepspeed_engine
-from lightning_ckguard.record.sources import GradientSource, ParameterGradients
+from lightning_ckguard.record.sources import GradientSource, ParameterGradients, unwrap_module
 
 
 def gradient_source_for(strategy: Any, module: nn.Module) -> GradientSource:
@@ -38,4 +38,15 @@ def gradient_source_for(strategy: Any, module: nn.Module) -> GradientSource:
     return ParameterGradients(module)
 
 
-__all__ = ["gradient_source_for"]
+def default_gradient_source(module: nn.Module) -> GradientSource:
+    """What a guard given only ``module`` reads: a DeepSpeed engine's local gradient partitions when ``module`` is the
+    engine or Fabric's wrapper of one (what ``fabric.setup`` returns under DeepSpeed), since ZeRO leaves nothing in
+    ``param.grad``; else ``param.grad``. Parameters are named after your own module either way."""
+    # Fabric's wrapper forwards attribute reads to your module; the engine is the module it runs forward through
+    engine = module if is_deepspeed_engine(module) else getattr(module, "_forward_module", None)
+    if is_deepspeed_engine(engine):
+        return DeepSpeedGradients(engine, None if module is engine else unwrap_module(module))
+    return ParameterGradients(unwrap_module(module))
+
+
+__all__ = ["default_gradient_source", "gradient_source_for"]

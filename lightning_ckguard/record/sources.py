@@ -47,6 +47,29 @@ class GradientSource(Protocol):
 _MODULE_WRAPPERS = {"_FabricModule": "module", "DistributedDataParallel": "module", "OptimizedModule": "_orig_mod"}
 
 
+#: Attributes by which an optimizer that applies gradients it keeps outside ``param.grad`` is known: DeepSpeed's
+#: ZeRO-1/2 (the reduced partitions), ZeRO-3 and bf16 optimizers. ``param.grad`` holds nothing of what they apply.
+_GRADIENTS_OUTSIDE_PARAMS = (("averaged_gradients", "params_in_partition"),
+                             ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",),
+                             ("fp32_groups_gradients", "bf16_groups"))
+
+
+def _refuse_gradients_kept_elsewhere(optimizer: Any) -> None:
+    """Raise rather than read nothing, step after step, from an optimizer that keeps its gradients elsewhere (itself,
+    or inside Fabric's or Lightning's wrapper).
+
+    Raises:
+        ValueError: For such an optimizer.
+    """
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None), getattr(optimizer, "_optimizer", None)):
+        if any(all(hasattr(candidate, name) for name in names) for names in _GRADIENTS_OUTSIDE_PARAMS):
+            raise ValueError(
+                f"`{type(optimizer).__name__}` applies gradients it keeps outside `param.grad` (DeepSpeed ZeRO), where "
+                "this guard reads them: build `GradientGuard` on the model `fabric.setup` returned (it then reads "
+                "DeepSpeed's partitions), or pass `source=`."
+            )
+
+
 def unwrap_module(module: nn.Module) -> nn.Module:
     """The user's own module inside Fabric's, DDP's and ``torch.compile``'s wrappers, so reports use its parameter
     names."""
@@ -183,6 +206,8 @@ class ParameterGradients:
         groups = optimizer.param_groups
         key = tuple(map(id, chain.from_iterable(group["params"] for group in groups)))
         cached = self._optimizer_params.get(optimizer)
+        if cached is None:
+            _refuse_gradients_kept_elsewhere(optimizer)
         if cached is None or cached[0] != key:
             module = self._module()
             if module is not None:

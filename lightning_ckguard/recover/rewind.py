@@ -218,12 +218,19 @@ def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     """Restore, in place and on every rank, the training state of the checkpoint at ``path``: the model weights, the
     optimizer state, the LR schedulers, the precision plugin's state and weight-averaging callbacks' state, in the
     order Lightning restores them from ``ckpt_path``; then the gradients accumulated so far (micro-batches of a step
-    under way, computed from the discarded weights) are cleared, on every optimizer and on the module. The loop
-    progress is not restored: ``trainer.global_step`` goes on. Returns the loaded checkpoint (what the strategy's load
-    path returned).
+    under way, computed from the discarded weights) are cleared, on every optimizer (DeepSpeed ZeRO-2's own buffers
+    included) and on the module. The loop progress is not restored: ``trainer.global_step`` goes on. Returns the
+    loaded checkpoint (what the strategy's load path returned).
 
     Every rank must call it at the same point: the strategy's load path may hold collectives (DeepSpeed's engine
     loads its partitions from the directory; FSDP2 reads its shards of a distributed checkpoint).
+
+    Raises:
+        ValueError: If the checkpoint does not match the trainer's training state: it holds a different number of LR
+            schedulers, or an optimizer's state with other parameter groups (the optimizer's own ``load_state_dict``
+            error); what was restored before it stays restored. Raised on this rank only: the callback's rewind tells
+            every rank and raises :class:`~lightning_ckguard.RewindRefusedError` on each.
+        FileNotFoundError: If there is no checkpoint at ``path`` (the strategy's load path's error).
     """
     strategy = trainer.strategy
     module = trainer.lightning_module
@@ -255,11 +262,14 @@ def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
 
 def _clear_gradients(owners: Iterable[Any]) -> None:
     """``zero_grad(set_to_none=True)`` on each of ``owners`` that has a ``zero_grad`` (modules, optimizers; a
-    ``zero_grad`` without ``set_to_none``, as DeepSpeed's engine's, is called as it is).
+    ``zero_grad`` without ``set_to_none``, as DeepSpeed's engine's, is called as it is); then, for DeepSpeed's ZeRO-1/2
+    optimizer, what it already reduced or accumulated of the micro-batches of a step under way is dropped too
+    (:func:`_discard_zero_accumulation`). Nothing here is a collective.
 
     DeepSpeed's optimizers set their parameters' gradients to ``None`` (what Lightning itself has them do at the first
-    micro-batch of every step; ZeRO-3's also starts its accumulation again). What ZeRO-2 already reduced of the
-    micro-batches of a step under way is kept inside its optimizer, out of reach here."""
+    micro-batch of every step; ZeRO-3's also starts its accumulation again). ZeRO-2 keeps each micro-batch's reduced
+    partition in buffers of its own, which its ``zero_grad`` leaves: without the discard, the restored weights' step
+    would add the earlier micro-batches' gradients, computed from the discarded weights."""
     for owner in owners:
         zero_grad = getattr(owner, "zero_grad", None)
         if not callable(zero_grad):
@@ -268,6 +278,46 @@ def _clear_gradients(owners: Iterable[Any]) -> None:
             zero_grad(set_to_none=True)
         else:
             zero_grad()
+        zero = _zero_optimizer(owner)
+        if zero is not None:
+            _discard_zero_accumulation(zero)
+
+
+#: ``DeepSpeedZeroOptimizer.micro_step_id`` before the first backward of a step (DeepSpeed's ``INITIAL_MICRO_STEP_ID``,
+#: which its ``step()`` sets back)
+_ZERO_INITIAL_MICRO_STEP_ID = -1
+
+
+def _zero_optimizer(owner: Any) -> Any | None:
+    """DeepSpeed's ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer``, known by its ``all_grad_tensors`` and
+    ``averaged_gradients`` dicts) that ``owner`` is or wraps (Fabric's optimizer wrapper, as ``optimizer``: the
+    wrapper's own attributes would shadow the optimizer's); ``None`` for anything else."""
+    for candidate in (getattr(owner, "optimizer", None), owner):  # a ZeRO optimizer's own `optimizer` is the base one
+        buffers = (getattr(candidate, "all_grad_tensors", None), getattr(candidate, "averaged_gradients", None))
+        if all(isinstance(buffer, dict) for buffer in buffers):
+            return candidate
+    return None
+
+
+def _discard_zero_accumulation(optimizer: Any) -> None:
+    """Drop what a ``DeepSpeedZeroOptimizer`` holds of the step under way, as its own ``step()`` drops an overflowed
+    step's gradients: the pre-flattened partition buffers, ``averaged_gradients``, ``all_grad_tensors`` (each
+    micro-batch's reduced partition, added up until the accumulation boundary), the CPU-offload bookkeeping; and
+    ``micro_step_id`` set back, so that under CPU offload the next backward overwrites its accumulated CPU copies
+    instead of adding to them. Each part only where this DeepSpeed version has it; local, no collective."""
+    release = getattr(optimizer, "_release_preflattened_grad_buffers", None)
+    if callable(release):  # fp32 accumulation of bf16 gradients: a flat buffer behind `averaged_gradients`
+        release()
+    reset_cpu_buffers = getattr(optimizer, "reset_cpu_buffers", None)
+    if getattr(optimizer, "cpu_offload", False) and callable(reset_cpu_buffers):
+        reset_cpu_buffers()
+    for buffers in (optimizer.averaged_gradients, optimizer.all_grad_tensors):
+        for group in list(buffers):
+            buffers[group] = None  # what the next micro-batch finds when a step starts
+    if hasattr(optimizer, "micro_step_id"):
+        optimizer.micro_step_id = _ZERO_INITIAL_MICRO_STEP_ID
+    if hasattr(optimizer, "_offload_accumulated_param_ids"):  # the parameters offload accumulated this step
+        optimizer._offload_accumulated_param_ids = set()
 
 
 def _takes_set_to_none(function: Any) -> bool:
@@ -296,6 +346,8 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
 
     Raises:
         CheckpointRestoreError: On every rank, when loading failed on some rank (one collective tells every rank).
+            A ``ValueError`` of the load (an optimizer whose parameter groups differ from the checkpoint's) is not
+            raised as it is: it becomes this error's cause, as every other load error does.
     """
     remainder: dict[str, Any] = {}
     failure: BaseException | None = None

@@ -73,3 +73,25 @@ def test_resume_from_a_plain_model_checkpoint_run_keeps_its_top_k(tmp_path):
     # without it, epoch 0 would stay on disk forever as an untracked file
     assert _ckpt_files(tmp_path) == {"epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"}
     _assert_consistent(guarded, tmp_path)
+
+
+def test_the_file_a_fit_resumed_from_through_the_last_link_is_never_evicted(tmp_path):
+    # epoch 1 (2.0) is the best and `last` links to it; the resumed fit's epoch 3 (1.0) is better and would evict it.
+    # ModelCheckpoint compares the link's path with the eviction's, so it deletes the file it resumed from; by the
+    # next boundary the link has moved too, and a `last` link is all the resumed fit ever knew it by
+    losses = [3.0, 2.0, 2.5, 1.0]
+    first = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last="link")
+    seed_everything(0)
+    _trainer(first, 2).fit(FaultyModel(val_losses=losses))
+    assert os.readlink(tmp_path / "last.ckpt") == "epoch=1-step=4.ckpt"
+
+    second = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last="link")
+    trainer = _trainer(second, 4)
+    trainer.fit(FaultyModel(val_losses=losses), ckpt_path="last")
+    assert trainer.ckpt_path == str(tmp_path / "last.ckpt")
+    assert second.best_model_path == str(tmp_path / "epoch=3-step=8.ckpt")
+    assert os.readlink(tmp_path / "last.ckpt") == "epoch=3-step=8.ckpt"
+    # kept, out of the ledger (as a checkpoint resumed from by its own name is); epoch 2 never entered the top-1
+    assert _ckpt_files(tmp_path) == {"epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt"}
+    assert torch.load(tmp_path / "epoch=1-step=4.ckpt", weights_only=False)["global_step"] == 4
+    assert list(second.best_k_models) == [str(tmp_path / "epoch=3-step=8.ckpt")]

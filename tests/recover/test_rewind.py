@@ -4,7 +4,9 @@ A NaN reaches rank 1 only, at steps 3, 7 and 11 (a checkpoint every 2 steps, top
 following boundary is rejected and every rank goes back, in place, to the checkpoint published 2 steps earlier. Right
 after each rewind every rank compares its own weights and optimizer state, tensor by tensor, with what the file holds
 (``tests/rewind_helpers.py``). A resumed fit then counts ``max_rewinds`` from zero. One process group per strategy
-runs all its scenarios (``tests/workers/rewind_worker.py``), with 60 s collective timeouts.
+runs all its scenarios (``tests/workers/rewind_worker.py``), with 60 s collective timeouts. Under DeepSpeed ZeRO-2, a
+rewind between the two micro-batches of a step (gradient accumulation) also drops what DeepSpeed's optimizer already
+reduced of the first one.
 """
 
 from __future__ import annotations
@@ -112,6 +114,23 @@ def test_a_resumed_fit_counts_from_zero_and_the_next_fault_raises_with_the_histo
     assert "`max_rewinds=1`" in error["reason"]
     assert len(error["rewinds"]) == 1 and "step=16.ckpt" in error["rewinds"][0], error["rewinds"]
     assert "(1) rewind 1 at global step 18" in ranks[1]["resumed"]["message"]
+
+
+def test_a_zero2_rewind_between_micro_batches_drops_what_deepspeed_reduced_of_the_first(worker_results):
+    # batch 8, the first micro-batch of step 4, backpropagated through step 3's NaN weights; the boundary after it
+    # rewinds. Kept in ZeRO-2's buffers, its NaN would join step 4: a second rejection at step 6, refused
+    ranks = results_for("ds2", worker_results)
+    for rank, results in enumerate(ranks):
+        result = results["accumulation"]
+        assert result["error"] is None, f"rank {rank}: {result['error']}"
+        (rewind,) = result["rewinds"]
+        assert (rewind["boundary"], rewind["global_step"], os.path.basename(rewind["checkpoint"])) == (
+            "validation end", 4, "step=3.ckpt"), f"rank {rank}"
+        assert result["held_after_rewind"] == [[]], f"rank {rank}: the optimizer kept {result['held_after_rewind']}"
+        assert result["global_step"] == 6 and result["weights_finite"], f"rank {rank}"
+        # DeepSpeed's engine counts micro-steps on through the rewind, as Lightning counts batches: same boundaries
+        assert result["disagreements"] == [], f"rank {rank}"
+    assert ranks[0]["accumulation"]["finite"] == {"step=1.ckpt": True, "step=3.ckpt": True, "step=6.ckpt": True}
 
 
 def test_a_fault_before_any_published_checkpoint_raises_on_every_rank(worker_results):

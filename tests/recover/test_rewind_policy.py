@@ -183,3 +183,19 @@ def test_restore_fabric_state_rewinds_a_fabric_loop(tmp_path):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     assert float(optimizer.state_dict()["state"][0]["step"]) == 1.0
     assert guard.agree(None).accepted  # a fresh window
+
+
+def test_without_a_monitor_a_rewind_goes_back_to_the_steps_own_file_not_to_last(tmp_path):
+    # without a monitor ModelCheckpoint keeps its top-K files out of best_k_models; `last` holds the same state at
+    # the boundary, but a later boundary rewrites it: the rewind record must name the file that keeps that state
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_last=True,
+                                    on_non_finite="rewind", count_skipped_steps=True)
+    trainer = Trainer(max_steps=12, limit_val_batches=0, callbacks=[callback], **QUIET,
+                      plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))])
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(AdamModel(fault_steps=(7,), sanitize=False, lr=0.01))
+    (rewind,) = callback.rewinds
+    assert (rewind.global_step, os.path.basename(rewind.checkpoint)) == (10, "epoch=0-step=5.ckpt")
+    with open(tmp_path / REWIND_LOG_NAME) as f:
+        assert [json.loads(line)["checkpoint"] for line in f] == [rewind.checkpoint]

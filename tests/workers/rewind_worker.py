@@ -16,6 +16,12 @@ scheduler state (and their step counts) must come back. Every rank runs every sc
   19: it counts from zero, so the first fault rewinds (compared with the file again) and the second raises with the
   history.
 - ``no-checkpoint`` (DDP only): a fault before anything was published raises on every rank.
+- ``accumulation`` (ZeRO-2 only): two micro-batches a step (``accumulate_grad_batches=2``, DeepSpeed's
+  ``gradient_accumulation_steps``) and a validation every 3 batches, so the boundaries after batches 2 and 8 fall
+  between the micro-batches of a step. Batch 7's NaN on rank 1 makes step 3's update NaN, batch 8 (the first
+  micro-batch of step 4) backpropagates through the NaN weights, and the boundary after it rewinds to ``step=3``
+  with ``max_rewinds=1``: what ZeRO-2's optimizer reduced of batch 8 must not join step 4, or the next boundary
+  rejects again and raises. At every batch start, DeepSpeed's accumulation boundary against Lightning's.
 """
 
 from __future__ import annotations
@@ -96,6 +102,63 @@ class RewindProbe(Callback):
                                 "weights_finite": weights_finite(pl_module), **comparison})
 
 
+class MicroBatchFaultModel(ShardedRewindModel):
+    """The NaN on rank 1 at chosen batches (micro-batches), not at every micro-batch of a global step."""
+
+    def __init__(self, fault_batches: tuple[int, ...]) -> None:
+        super().__init__()
+        self.fault_batches = set(fault_batches)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # the forward plants the fault at the global steps in `fault_steps`: this batch's step, for this batch only
+        self.fault_steps = {self.trainer.global_step} if batch_idx in self.fault_batches else set()
+        super().on_train_batch_start(batch, batch_idx)
+
+
+class AccumulationProbe(Callback):
+    """At every batch start: whether DeepSpeed's engine takes this micro-batch as its accumulation boundary, as
+    Lightning does; right after the rewind, what DeepSpeed's ZeRO optimizer still holds of the step under way."""
+
+    def __init__(self) -> None:
+        self.disagreements: list[dict[str, Any]] = []
+        self.held_after_rewind: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        engine = trainer.strategy.model
+        lightning_steps = not trainer.fit_loop._should_accumulate()
+        if engine.is_gradient_accumulation_boundary() != lightning_steps:
+            self.disagreements.append({"batch": batch_idx, "micro_steps": engine.micro_steps})
+        if len(trainer.checkpoint_callback.rewinds) > len(self.held_after_rewind):
+            optimizer = engine.optimizer
+            buffers = {name: getattr(optimizer, name, {}) for name in ("all_grad_tensors", "averaged_gradients")}
+            self.held_after_rewind.append(sorted(f"{name}[{group}]" for name, held in buffers.items()
+                                                 for group, value in held.items() if value is not None))
+
+
+def accumulation(root: str) -> dict[str, Any]:
+    seed_everything(7)
+    dirpath = os.path.join(root, "ds2-accumulation")
+    callback = FiniteGradCheckpoint(dirpath=dirpath, monitor="step", mode="max", save_top_k=-1, filename="{step}",
+                                    on_non_finite="rewind", max_rewinds=1)
+    probe, model = AccumulationProbe(), MicroBatchFaultModel(fault_batches=(7,))
+    strategy = make_strategy("ds2", timeout=TIMEOUT, precision="bf16-mixed", check_grad_overflow=False)
+    trainer = Trainer(strategy=strategy, devices=2, precision="bf16-mixed", callbacks=[probe, callback],
+                      max_epochs=1, limit_train_batches=12, val_check_interval=3, limit_val_batches=1,
+                      num_sanity_val_steps=0, accumulate_grad_batches=2, **QUIET)
+    result = fit_outcome(lambda: trainer.fit(model))
+    result.update(
+        global_step=trainer.global_step,
+        rewinds=[r.as_dict() for r in callback.rewinds],
+        disagreements=probe.disagreements,
+        held_after_rewind=probe.held_after_rewind,
+        weights_finite=weights_finite(model),
+    )
+    if trainer.global_rank == 0:
+        result["finite"] = {e: checkpoint_loads_finite(os.path.join(dirpath, e)) for e in sorted(os.listdir(dirpath))
+                            if e != REWIND_LOG_NAME}
+    return result
+
+
 def run(root: str, name: str, kind: str, fault_steps: tuple[int, ...], max_steps: int, max_rewinds: int,
         ckpt_path: str | None = None) -> dict[str, Any]:
     seed_everything(7)
@@ -154,6 +217,8 @@ def scenarios(kind: str) -> dict[str, Any]:
         "resumed": lambda root: run(root, f"{kind}-resumed", kind, (17, 19), max_steps=22, max_rewinds=1,
                                     ckpt_path=os.path.join(root, f"{kind}-rewinds", "last.ckpt")),
     }
+    if kind == "ds2":
+        table["accumulation"] = accumulation
     if kind == "ddp":
         table["no-checkpoint"] = lambda root: run(root, f"{kind}-no-checkpoint", kind, (1,), max_steps=6,
                                                   max_rewinds=3)
