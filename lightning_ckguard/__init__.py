@@ -8,7 +8,10 @@ Public API:
 - :class:`CheckpointRestoreError`: raised on every rank when :func:`restore_fabric_state` failed on some rank.
 - :class:`StateCheckError`: raised on every rank when checking the state about to be written raised on some rank.
 - :class:`BoundaryReport`: what the last boundary decided, readable (``FiniteGradCheckpoint.last_report``).
-- :class:`GradientGuard` and :class:`Verdict`: the recording and agreement core, usable without a Trainer.
+- :class:`GradientGuard` and :class:`Verdict`: the recording and agreement core, usable without a Trainer;
+  :class:`RankReport`: what one rank recorded in its window, as a ``Verdict`` holds it.
+- :class:`GradientSource`: where a guard reads a rank's local gradients (``GradientGuard(..., source=...)``), and
+  :class:`ParameterGradients`: ``param.grad`` of a module's parameters (the default, except under DeepSpeed).
 - :class:`CheckpointPublisher`: the callback's publication guarantees (agree, stage, write, agree on the write, one
   rename) for a Fabric or ``torch.distributed`` loop.
 - :class:`RewindRefusedError`, :class:`Rewind`: ``on_non_finite="rewind"``'s refusal (a ``NonFiniteGradientError``)
@@ -18,6 +21,9 @@ Public API:
 - :class:`SpikeGate`: also reject a window whose loss or global gradient norm spiked, though finite
   (``FiniteGradCheckpoint(spike_gate=SpikeGate())``, ``GradientGuard(..., spike_gate=...)``); :class:`Spike`: one
   spike, as the report and the error carry it.
+
+``lightning_ckguard.pytorch_lightning`` exports every name above: its ``FiniteGradCheckpoint`` is that of the
+``pytorch_lightning`` package, every other name the very same object.
 """
 
 from lightning_ckguard.agree.agreement import RankReport, Verdict

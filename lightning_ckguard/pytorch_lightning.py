@@ -11,7 +11,12 @@ callback. This module combines the one implementation
 
     trainer = pl.Trainer(strategy="ddp", devices=2, callbacks=[FiniteGradCheckpoint(monitor="val_loss")])
 
-The errors and the Trainer-free core are the very same objects as in ``lightning_ckguard``.
+Every other name of ``lightning_ckguard.__all__`` (the errors, the reports, the Trainer-free core:
+:class:`~lightning_ckguard.GradientGuard`, :class:`~lightning_ckguard.CheckpointPublisher`, the gradient sources,
+:func:`~lightning_ckguard.scaler_skip_flag`, and the rewind's :class:`~lightning_ckguard.Rewind`,
+:func:`~lightning_ckguard.restore_trainer_state` and :func:`~lightning_ckguard.restore_fabric_state`) is re-exported
+here as the very same object as in ``lightning_ckguard``; :func:`~lightning_ckguard.restore_trainer_state` takes a
+``pytorch_lightning`` Trainer as well.
 """
 
 import logging
@@ -26,6 +31,7 @@ from lightning_ckguard.agree.agreement import RankReport, Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.agree.spikes import SpikeGate
+from lightning_ckguard.core.publisher import CheckpointPublisher
 from lightning_ckguard.errors import (
     CheckpointRestoreError,
     CheckpointWriteError,
@@ -37,6 +43,9 @@ from lightning_ckguard.errors import (
 from lightning_ckguard.lightning.callback import GuardedCheckpoint
 from lightning_ckguard.lightning.fit import link_in_boundary
 from lightning_ckguard.lightning.packages import LightningPackage
+from lightning_ckguard.record.skips import scaler_skip_flag
+from lightning_ckguard.record.sources import GradientSource, ParameterGradients
+from lightning_ckguard.recover.rewind import Rewind, restore_fabric_state, restore_trainer_state
 
 # Each Lightning package points the rank-zero logger at its own when imported. `lightning_ckguard` imports
 # `lightning.pytorch`, which took it over from `pytorch_lightning` if that was imported first: give it back, so that a
@@ -55,15 +64,22 @@ class FiniteGradCheckpoint(GuardedCheckpoint, ModelCheckpoint):  # type: ignore[
 
 __all__ = [
     "BoundaryReport",
+    "CheckpointPublisher",
     "CheckpointRestoreError",
     "CheckpointWriteError",
     "FiniteGradCheckpoint",
     "GradientGuard",
+    "GradientSource",
     "NonFiniteGradientError",
+    "ParameterGradients",
     "RankReport",
+    "Rewind",
     "RewindRefusedError",
     "Spike",
     "SpikeGate",
     "StateCheckError",
     "Verdict",
+    "restore_fabric_state",
+    "restore_trainer_state",
+    "scaler_skip_flag",
 ]

@@ -68,6 +68,26 @@ def test_nan_is_refused_then_resume_from_last_finishes(tmp_path, lightning):
     assert [after[name] for name in ("step=2.ckpt", "step=4.ckpt")] == [before["tree"][name] for name in
                                                                           ("step=2.ckpt", "step=4.ckpt")]
 
+    # the rewind's restore is duck typed: it takes this package's Trainer, through either import path
+    checkpoint = ckguard.restore_trainer_state(trainer, str(tmp_path / "step=4.ckpt"))
+    assert checkpoint["global_step"] == 4 and trainer.global_step == 8  # the loop goes on
+    saved = torch.load(tmp_path / "step=4.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    restored = trainer.lightning_module.state_dict()
+    assert all(torch.equal(restored[name], tensor) for name, tensor in saved.items())
+
+
+def test_the_pytorch_lightning_module_exports_every_public_name():
+    # a `pytorch_lightning` user imports everything from one place: the callback of its own package, and every other
+    # public name as the very object `lightning_ckguard` exports
+    from lightning_ckguard import pytorch_lightning as ckguard
+
+    missing = [name for name in lightning_ckguard.__all__ if not hasattr(ckguard, name)]
+    assert not missing, missing
+    assert set(ckguard.__all__) == set(lightning_ckguard.__all__)
+    others = set(lightning_ckguard.__all__) - {"FiniteGradCheckpoint"}
+    assert all(getattr(ckguard, name) is getattr(lightning_ckguard, name) for name in others)
+    assert ckguard.FiniteGradCheckpoint is not lightning_ckguard.FiniteGradCheckpoint
+
 
 @pytest.mark.parametrize("first", ["pytorch_lightning", "lightning_ckguard.pytorch_lightning"])
 def test_a_pytorch_lightning_user_keeps_its_rank_zero_logger(first):
