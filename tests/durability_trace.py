@@ -8,11 +8,13 @@ the order a machine crash needs:
 - the data of every file published (through any chain of renames: a temporary file, its staging name, the name) was
   flushed (``fsync``/``fdatasync``) after its last write and before it was published; for a directory, every file in
   it and every directory of it too;
-- the directory that holds the name was flushed after the publication and before the next removal in that directory.
+- the directory that holds the name was flushed after the publication, and each directory made (``mkdir``) on the way
+  to the name (a new ``dirpath``, a subdirectory of a ``filename`` with a ``/``) was flushed in its parent after it was
+  made, before the next removal of a visible name.
 
-A publication is a rename (or an exchange) onto a visible name in the directory, a link made there, or a file written
-there directly. Hidden names (staging entries, retired copies) are not publications, and removing them is not an
-eviction.
+A publication is a rename (or an exchange) onto a visible name in the directory or one of its subdirectories (not
+inside a checkpoint published as a directory), a link made there, or a file written directly in the directory itself.
+Hidden names (staging entries, retired copies) are not publications, and removing them is not an eviction.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 SYSCALLS = ("write", "pwrite64", "writev", "pwritev", "pwritev2", "sendfile", "copy_file_range", "ftruncate",
             "fsync", "fdatasync", "rename", "renameat", "renameat2", "unlink", "unlinkat", "rmdir", "symlink",
-            "symlinkat")
+            "symlinkat", "mkdir", "mkdirat")
 _WRITES = {"write", "pwrite64", "writev", "pwritev", "pwritev2", "sendfile", "copy_file_range", "ftruncate"}
 _FLUSHES = {"fsync", "fdatasync"}
 _RENAMES = {"rename", "renameat", "renameat2"}
 _REMOVALS = {"unlink", "unlinkat", "rmdir"}
 _LINKS = {"symlink", "symlinkat"}
+_MKDIRS = {"mkdir", "mkdirat"}
 
 
 def have_strace() -> bool:
@@ -119,15 +123,16 @@ def _absolute(base: str | None, path: str) -> str:
 
 
 def _paths_of(call: Call) -> tuple[str, ...]:
-    """The paths a rename, removal or link names: (source, destination), (removed,) or (link,)."""
+    """The paths a rename, removal, link or new directory names: (source, destination), (removed,), (link,) or
+    (directory,)."""
     descriptors, strings = list(call.descriptors), call.strings
-    if call.name in ("rename", "unlink", "rmdir"):
+    if call.name in ("rename", "unlink", "rmdir", "mkdir"):
         return tuple(_absolute(None, s) for s in strings)
     if call.name == "symlink":
         return (_absolute(None, strings[1]),)
     if call.name == "symlinkat":
         return (_absolute(descriptors[0] if descriptors else None, strings[1]),)
-    # renameat/renameat2 (dirfd, name, dirfd, name) and unlinkat (dirfd, name); AT_FDCWD too has a path under -y
+    # renameat/renameat2 (dirfd, name, dirfd, name), unlinkat and mkdirat (dirfd, name); AT_FDCWD has a path under -y
     return tuple(_absolute(base, name) for base, name in zip(descriptors, strings, strict=False))
 
 
@@ -152,16 +157,53 @@ def _visible_in(path: str, directory: str) -> bool:
     return not any(part.startswith(".") for part in os.path.relpath(path, directory).split(os.sep))
 
 
+@dataclass
+class _Publication:
+    """A name published (at call ``index``), and the directories still to flush before the next eviction: per
+    directory, what it holds that is not on disk yet ("" for the name itself)."""
+
+    index: int
+    name: str
+    unflushed: dict[str, str]
+
+
+_Value = TypeVar("_Value")
+
+
+def _rename_under(paths: dict[str, _Value], source: str, destination: str, exchange: bool) -> dict[str, _Value]:
+    """Move the entries of ``paths`` under ``source`` to under ``destination`` (and back, for an exchange), in place;
+    returns the moved ones under their new paths."""
+    moved = {path: value for path, value in paths.items() if _under(path, source)}
+    exchanged = {path: value for path, value in paths.items() if _under(path, destination)}
+    for path in (*moved, *exchanged):
+        paths.pop(path, None)
+    renamed = {destination + path[len(source):]: value for path, value in moved.items()}
+    paths.update(renamed)
+    if exchange:
+        paths.update({source + path[len(destination):]: value for path, value in exchanged.items()})
+    return renamed
+
+
 class _Checker:
     def __init__(self, directory: str) -> None:
         self.directory = os.path.normpath(directory)
         self.contents: dict[str, _Content] = {}
-        self.waiting_for_directory_flush: list[tuple[int, str]] = []  # publications whose directory is not flushed
+        self.made: dict[str, int] = {}  # the directories made (mkdir), by the call that made them
+        self.published: set[str] = set()
+        self.waiting: list[_Publication] = []  # publications with a directory not flushed yet
         self.flushed_directories: dict[str, int] = {}
         self.violations: list[str] = []
 
     def content(self, path: str) -> _Content:
         return self.contents.setdefault(path, _Content())
+
+    def is_publication(self, path: str) -> bool:
+        """Whether a name put at ``path`` is published: visible, and not inside a checkpoint published whole."""
+        return _visible_in(path, self.directory) and not any(
+            path != name and _under(path, name) for name in self.published)
+
+    def make_directory(self, call: Call) -> None:
+        self.made[_paths_of(call)[0]] = call.index
 
     def write(self, call: Call) -> None:
         target = call.descriptors[-1] if call.name == "copy_file_range" else call.descriptors[0]
@@ -174,35 +216,33 @@ class _Checker:
         path = call.descriptors[0]
         self.content(path).flushed = True
         self.flushed_directories[path] = call.index
-        self.waiting_for_directory_flush = [(i, p) for i, p in self.waiting_for_directory_flush
-                                            if os.path.dirname(p) != path]
+        for publication in self.waiting:
+            publication.unflushed.pop(path, None)
+        self.waiting = [publication for publication in self.waiting if publication.unflushed]
 
     def rename(self, call: Call) -> None:
         source, destination = _paths_of(call)[:2]
-        moved = {path: content for path, content in self.contents.items() if _under(path, source)}
-        exchanged = {path: content for path, content in self.contents.items() if _under(path, destination)}
-        for path in (*moved, *exchanged):
-            del self.contents[path]
-        for path, content in moved.items():
-            self.contents[destination + path[len(source):]] = content
-        if "RENAME_EXCHANGE" in call.flags:
-            for path, content in exchanged.items():
-                self.contents[source + path[len(destination):]] = content
-        if _visible_in(destination, self.directory):
-            published = [(destination + p[len(source):], c) for p, c in moved.items()]
-            self.publish(call.index, destination, published, directory_source=source)
+        exchange = "RENAME_EXCHANGE" in call.flags
+        moved = _rename_under(self.contents, source, destination, exchange)
+        _rename_under(self.made, source, destination, exchange)
+        self.publish(call.index, destination, list(moved.items()), directory_source=source)
 
     def publish(self, index: int, name: str, files: list[tuple[str, _Content]], written_in_place: bool = False,
                 directory_source: str | None = None) -> None:
-        if os.path.dirname(name) != self.directory:
-            return  # inside a published checkpoint: its name is published with it
+        if not self.is_publication(name):
+            return
         for path, content in files:
             if not written_in_place and not content.link and not content.flushed:
                 self.violations.append(f"{name}: {path} published (call {index}) without a flush after its last "
                                        f"write (call {content.last_write})")
         if directory_source is not None:
             self.check_directories_flushed(index, name, directory_source, files)
-        self.waiting_for_directory_flush.append((index, name))
+        self.published.add(name)
+        unflushed = {os.path.dirname(name): ""}
+        for made, at in self.made.items():  # each directory made on the way to the name, in its parent
+            if made != name and _under(name, made) and self.flushed_directories.get(os.path.dirname(made), -1) < at:
+                unflushed[os.path.dirname(made)] = f" (holding {made}, made at call {at})"
+        self.waiting.append(_Publication(index, name, unflushed))
 
     def check_directories_flushed(self, index: int, name: str, source: str, files: list[tuple[str, _Content]]
                                   ) -> None:
@@ -217,23 +257,28 @@ class _Checker:
     def link(self, call: Call) -> None:
         (path,) = _paths_of(call)
         self.content(path).link = True
-        if _visible_in(path, self.directory):
-            self.publish(call.index, path, [])
+        self.publish(call.index, path, [])
 
     def remove(self, call: Call) -> None:
         for path in _paths_of(call):
-            for gone in [p for p in self.contents if _under(p, path)]:
-                del self.contents[gone]
+            for paths in (self.contents, self.made):
+                for gone in [p for p in paths if _under(p, path)]:
+                    del paths[gone]
+            self.published = {name for name in self.published if not _under(name, path)}
             if not _visible_in(path, self.directory):
                 continue
-            for index, name in self.waiting_for_directory_flush:
-                self.violations.append(f"{name}: published (call {index}) but {path} was removed (call {call.index}) "
-                                       "before the directory was flushed")
-            self.waiting_for_directory_flush = []
+            for publication in self.waiting:
+                for directory, holding in publication.unflushed.items():
+                    self.violations.append(f"{publication.name}: published (call {publication.index}) but {path} was "
+                                           f"removed (call {call.index}) before the directory was flushed: "
+                                           f"{directory}{holding}")
+            self.waiting = []
 
     def finish(self) -> list[str]:
-        for index, name in self.waiting_for_directory_flush:
-            self.violations.append(f"{name}: published (call {index}); its directory was never flushed after it")
+        for publication in self.waiting:
+            for directory, holding in publication.unflushed.items():
+                self.violations.append(f"{publication.name}: published (call {publication.index}); its directory "
+                                       f"{directory}{holding} was never flushed after it")
         return self.violations
 
 
@@ -242,7 +287,7 @@ def durability_violations(calls: list[Call], directory: str) -> list[str]:
     checker = _Checker(directory)
     handlers = {**dict.fromkeys(_WRITES, checker.write), **dict.fromkeys(_FLUSHES, checker.flush),
                 **dict.fromkeys(_RENAMES, checker.rename), **dict.fromkeys(_REMOVALS, checker.remove),
-                **dict.fromkeys(_LINKS, checker.link)}
+                **dict.fromkeys(_LINKS, checker.link), **dict.fromkeys(_MKDIRS, checker.make_directory)}
     for call in calls:
         handler = handlers.get(call.name)
         if handler is not None and (call.descriptors or call.strings):
@@ -251,14 +296,17 @@ def durability_violations(calls: list[Call], directory: str) -> list[str]:
 
 
 def publications(calls: list[Call], directory: str) -> list[str]:
-    """The names published into ``directory``, in order (a rename, an exchange or a link onto a visible name)."""
+    """The names published into ``directory`` or its subdirectories (a rename, an exchange or a link onto a visible
+    name, not inside a checkpoint published whole), in order, relative to ``directory``."""
     directory = os.path.normpath(directory)
-    names = []
+    names: list[str] = []
     for call in calls:
         if call.name in _RENAMES | _LINKS:
             path = _paths_of(call)[-1]
-            if _visible_in(path, directory) and os.path.dirname(path) == directory:
-                names.append(os.path.basename(path))
+            inside = any(_under(path, os.path.join(directory, name)) and path != os.path.join(directory, name)
+                         for name in names)
+            if _visible_in(path, directory) and not inside:
+                names.append(os.path.relpath(path, directory))
     return names
 
 

@@ -127,7 +127,8 @@ class CheckpointPublisher:
         # the same writers as the callback's, chosen the same way: staged and renamed on local disk, direct where one
         # upload is atomic or the strategy's checkpoint IO is the user's own
         staged_io = _writes_only_the_path(collective)
-        self._writer = choose_writer(collective, storage, durability(durable), in_background=None,
+        self._durability = durability(durable) if storage.stages_writes else durability(False)
+        self._writer = choose_writer(collective, storage, self._durability, in_background=None,
                                      writes_through_lightning=True, staged_io=staged_io)
         # a user's IO wrote at the name itself: a failed write's leftovers go through its own removal, as the
         # callback's rollback removes them (a sidecar too); nothing is left at the name by a staged write
@@ -144,7 +145,9 @@ class CheckpointPublisher:
         if not self.is_global_zero:
             return None
         try:
+            flush = self._durability.making_directory(self.dirpath)
             fs.makedirs(self.dirpath, exist_ok=True)
+            flush()  # a machine crash must not take the new directory, and every checkpoint in it, along
         except Exception as error:
             return error
         return None

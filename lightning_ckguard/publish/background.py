@@ -5,9 +5,10 @@ agreed on and committed on the training thread, and its checkpoint is serialized
 cloned, as ``AsyncCheckpointIO`` does); everything that touches storage becomes one :class:`PublicationUnit`, run on a
 single background thread in the order the boundaries were accepted:
 
-1. every write of the boundary, into its staging sibling, then flushed (:mod:`~lightning_ckguard.publish.durability`);
-2. each staging entry moved into place, then ``last`` linked or replaced, in the order the hook asked, each followed by
-   the flush of its directory;
+1. every write of the boundary, into its staging sibling, then flushed (:mod:`~lightning_ckguard.publish.durability`),
+   with the directories it made on the way;
+2. each staging entry moved into place, then ``last`` linked or replaced (a copy made where links are refused is
+   flushed first), in the order the hook asked, each followed by the flush of its directory;
 3. the evictions, last: nothing is evicted before the checkpoint that replaces it is published, flushed included.
 
 A unit whose write or move fails removes what it had put down (staging entries, names it created) and stops the
@@ -73,8 +74,9 @@ class PublicationUnit:
         flush it."""
 
         def save_and_flush() -> None:
+            flush = self.durability.before_writing(staging)  # what exists before the write did not come from it
             save()
-            self.durability.flush_written(staging)
+            flush(staging)
 
         self.writes.append(_Operation("write", published_path(staging), save_and_flush, staging))
 
@@ -93,6 +95,7 @@ class PublicationUnit:
 
         def link_and_move() -> None:
             make_link(target, staging)
+            self.durability.flush_written(staging)  # a copy, where the filesystem refuses links, holds data
             self._move_into_place(staging, linkpath)
 
         self.publications.append(_Operation("publish", linkpath, link_and_move, staging))

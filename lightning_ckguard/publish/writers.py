@@ -194,8 +194,8 @@ class StagedWriter(_HoldsFailures):
         # the names whose previous file or link this boundary replaced and keeps until it is published (rank 0)
         self._replaced: list[str] = []
         # a file is written by rank 0 alone; a directory by every rank, each flushing what it sees once its part is in
-        writes_alone = not writes_directories(collective) and not is_rank_zero(collective)
-        self._flush_written = _nothing_to_flush if writes_alone else durability.flush_written
+        # (and the directories it made on the way: each rank notes what exists before its own write)
+        self._writes_alone = not writes_directories(collective) and not is_rank_zero(collective)
 
     def open(self, before: Ledger | None) -> None:
         super().open(before)
@@ -216,8 +216,9 @@ class StagedWriter(_HoldsFailures):
             # a failure (a reader's file held open inside it, on NFS) is held like a failed move: this boundary is
             # not put in place, and every rank raises at the next agreement, not rank 0 alone here
             self._hold_unpublishing(partial(self._storage.release_retired, filepath), filepath)
+        flush = _nothing_to_flush if self._writes_alone else self._durability.before_writing(staging)
         try:
-            write(staging, self._flush_written)
+            write(staging, flush)
         except BaseException:
             if rank_zero:
                 discard(staging)
@@ -244,7 +245,7 @@ class StagedWriter(_HoldsFailures):
         self._written.append(linkpath)
         self._acted_alone = True  # rank 0's move into place follows
         if is_rank_zero(self._collective) and os.path.lexists(staging):
-            self._in_place(linkpath, staging, partial(self._move_into_place, staging, linkpath))
+            self._in_place(linkpath, staging, partial(self._flush_and_move_into_place, staging, linkpath))
 
     def _in_place(self, filepath: str, staging: str, put: Callable[[], None]) -> None:
         """Rank 0 puts ``staging`` in place as ``filepath`` (``put``); a failure is held, and undoes the boundary."""
@@ -266,6 +267,12 @@ class StagedWriter(_HoldsFailures):
         replaced, self._replaced = self._replaced, []
         self._put_back(replaced)
         return False
+
+    def _flush_and_move_into_place(self, staging: str, filepath: str) -> None:
+        """A link made by rank 0 alone: flushed there (a copy, where the filesystem refuses links, holds data), then
+        moved into place."""
+        self._durability.flush_written(staging)
+        self._move_into_place(staging, filepath)
 
     def _move_into_place(self, staging: str, filepath: str) -> None:
         """The rename, then the flush of the directory that holds the name: before any eviction in it. A file or

@@ -5,6 +5,7 @@ ledger as it was; ``durable=False`` flushes nothing."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from helpers import QUIET, FaultyModel, ledger_state, refuse_flushes_of_staging, tree_digest
 from lightning_ckguard import CheckpointPublisher, CheckpointWriteError, FiniteGradCheckpoint
+from lightning_ckguard.publish.durability import durability
 
 needs_strace = pytest.mark.skipif(not have_strace(), reason="strace is not installed")
 
@@ -62,6 +64,67 @@ def test_every_name_is_flushed_before_its_rename_and_its_directory_before_any_ev
     published = publications(calls, dirpath)
     assert published.count("last.ckpt") == 6 and len(published) == 12, published
     assert sorted(os.listdir(dirpath)) == ["last.ckpt", "step=5.ckpt", "step=6.ckpt"]  # four evictions, flushed first
+
+
+def refuse_symbolic_links(source: str, link: str, *args: object, **kwargs: object) -> None:
+    """``os.symlink`` on a filesystem without symbolic links (vfat, exFAT, some SMB and FUSE mounts)."""
+    raise OSError(errno.EPERM, "Operation not permitted (no symbolic links on this filesystem)", link)
+
+
+@needs_strace
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("plugins", [None, "async"])
+def test_a_last_copied_where_links_are_refused_is_flushed_before_its_rename(plugins, tmp_path, monkeypatch):
+    """``save_last="link"`` where the filesystem refuses symbolic links: ``last`` is a copy, so it holds data, and
+    that data is on disk before the copy takes the name and before the checkpoint it copies is evicted."""
+    monkeypatch.setattr(os, "symlink", refuse_symbolic_links)
+    dirpath = str(tmp_path / "checkpoints")
+    callback = FiniteGradCheckpoint(dirpath=dirpath, save_last="link", **TOP_2_EVERY_STEP)
+    calls = traced_fit(tmp_path, callback, [AsyncCheckpointIO()] if plugins else None)
+    assert durability_violations(calls, dirpath) == []
+    assert not any(call.name in ("symlink", "symlinkat") for call in calls)
+    assert publications(calls, dirpath).count("last.ckpt") == 6
+    assert sorted(os.listdir(dirpath)) == ["last.ckpt", "step=5.ckpt", "step=6.ckpt"]
+    last = os.path.join(dirpath, "last.ckpt")
+    assert not os.path.islink(last) and torch.load(last, weights_only=False)["global_step"] == 6
+
+
+@needs_strace
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("plugins", [None, "async"])
+def test_each_directory_a_write_makes_is_flushed_in_its_parent_before_any_eviction(plugins, tmp_path):
+    """A ``filename`` with a ``/`` puts each checkpoint in a directory of its own, made by its write, and the fit
+    makes ``dirpath`` too: each new directory's entry, in its parent, is on disk before anything is evicted."""
+    dirpath = str(tmp_path / "runs" / "checkpoints")  # two levels made by the first write
+    # no `last`: its flush of dirpath would cover the new directories in it
+    callback = FiniteGradCheckpoint(dirpath=dirpath, **{**TOP_2_EVERY_STEP, "filename": "{step}/model"})
+    calls = traced_fit(tmp_path, callback, [AsyncCheckpointIO()] if plugins else None)
+    assert durability_violations(calls, dirpath) == []
+    assert publications(calls, dirpath) == [os.path.join(f"step={step}", "model.ckpt") for step in range(1, 7)]
+    assert sorted(os.listdir(os.path.join(dirpath, "step=6"))) == ["model.ckpt"]
+    assert os.listdir(os.path.join(dirpath, "step=4")) == []  # evicted: ModelCheckpoint leaves the directory
+    flushed = flushes_under(calls, str(tmp_path))
+    assert str(tmp_path) in flushed and str(tmp_path / "runs") in flushed, "the new dirpath's entries"
+
+
+def test_a_write_flushes_the_parent_of_each_directory_it_made_and_no_other(tmp_path, monkeypatch):
+    """Without a tracer: what exists before the write is noted, and only the directories made since are flushed in
+    their parents; not durable, nothing is looked at."""
+    flushed: list[str] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    staging = tmp_path / "runs" / "step=1" / ".model.ckpt.ckguard-staging"
+    for made in ([str(staging), str(tmp_path / "runs"), str(tmp_path)], [str(staging)]):
+        flush = durability(True).before_writing(str(staging))
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_bytes(b"checkpoint")
+        flush(str(staging))
+        assert flushed == made
+        flushed.clear()
+    with monkeypatch.context() as looking:
+        looking.setattr(os, "stat", None)  # any look at the disk would raise
+        durability(False).before_writing(str(staging))(str(staging))
+    assert flushed == []
 
 
 @needs_strace
@@ -172,3 +235,16 @@ def test_the_trainer_free_publisher_flushes_as_the_callback_does(durable, tmp_pa
     else:
         assert flushes_under(calls, dirpath) == []
         assert durability_violations(calls, dirpath) != []
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_the_publishers_new_dirpath_is_flushed_in_each_parent_it_was_made_in(tmp_path, monkeypatch, durable):
+    """``CheckpointPublisher`` makes its ``dirpath`` when it is made, before any write: a machine crash must not take
+    the new directory (and every checkpoint later published in it) along."""
+    from lightning_ckguard import CheckpointPublisher
+
+    flushed: list[str] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    CheckpointPublisher(None, str(tmp_path / "runs" / "checkpoints"), durable=durable)
+    assert flushed == ([str(tmp_path / "runs"), str(tmp_path)] if durable else [])
