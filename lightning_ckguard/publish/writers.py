@@ -300,7 +300,17 @@ class StagedWriter(_HoldsFailures):
 class DirectWriter(_HoldsFailures):
     """Writes at the real name, as ``ModelCheckpoint`` does (object storage, where one upload is atomic; a user's
     own ``CheckpointIO`` or ``save_checkpoint``, which gets exactly the path it is given). Only an eviction is done
-    by rank 0 alone: its failure is held."""
+    by rank 0 alone: its failure is held. A name an earlier write of a failed boundary replaced is not put back
+    (keeping a copy would cost a server-side copy of every replaced object, each save): rank 0 says which."""
+
+    def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
+        replaced = [path for path in dict.fromkeys(self._written) if path not in created]
+        if not published and replaced and is_rank_zero(self._collective):
+            log.warning("FiniteGradCheckpoint: the checkpoint write failed after %s had been replaced in the same "
+                        "boundary: %s the checkpoint of that unpublished boundary, while the callback's records went "
+                        "back to before it (written at the name itself, the replaced one was not kept).",
+                        ", ".join(replaced), "it holds" if len(replaced) == 1 else "they hold")
+        super().close(published, created, remove)
 
     def save(self, filepath: str, write: Write) -> None:
         write(filepath, _nothing_to_flush)  # the upload, or the user's own IO, is the publication

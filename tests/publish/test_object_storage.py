@@ -192,6 +192,34 @@ def test_an_upload_the_server_refuses_raises_rolls_back_and_keeps_the_evicted_ch
     assert guard.best_model_path == f"{url}/epoch=0-step=2.ckpt"
 
 
+class LastRefusedAt(RefusedAt):
+    """Only the second save at global step ``step`` (``last``, after the top-K file) is refused."""
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if trainer.global_step == self.step:
+            self.saves = getattr(self, "saves", 0) + 1
+            if self.saves == 2:
+                checkpoint["ballast"] = ballast_for_a_refused_upload()
+
+
+def test_an_object_a_failed_boundary_replaced_before_its_failure_is_named_on_rank_0(s3, caplog):
+    """A constant top-K name is replaced, then ``last``'s upload is refused: the ledger rolls back, but the bucket
+    keeps no copy to put back (it would cost a server-side copy of every replaced object): rank 0 says which
+    object now holds the unpublished boundary's state."""
+    url = f"s3://{s3.new_bucket()}/run"
+    guard = FiniteGradCheckpoint(dirpath=url, monitor="val_loss", save_top_k=1, filename="best", save_last=True)
+    refused = LastRefusedAt(step=4)
+    seed_everything(0)
+    with caplog.at_level("WARNING", logger="lightning_ckguard"), pytest.raises(OSError, match="minimum allowed"):
+        _trainer(guard, 3, callbacks=[refused]).fit(FaultyModel(val_losses=LOSSES))
+    assert ledger_state(guard) == refused.ledger, "the ledger did not roll back"
+    assert set(s3.listing(url)) == {"best.ckpt", "last.ckpt"}
+    with fsspec.filesystem("s3").open(f"{url}/best.ckpt", "rb") as f:
+        assert torch.load(f, weights_only=False)["global_step"] == 4
+    (warning,) = [r.getMessage() for r in caplog.records if "replaced in the same boundary" in r.getMessage()]
+    assert f"after {url}/best.ckpt had been replaced" in warning and "it holds the checkpoint of that" in warning
+
+
 class StopAnswering(Callback):
     """Makes the server stop answering after optimizer step ``step``, until the test lets it answer again."""
 
