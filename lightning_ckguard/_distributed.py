@@ -12,8 +12,10 @@ this one.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -142,6 +144,30 @@ def barrier(strategy: Any, name: str) -> None:
         strategy.barrier(name)
 
 
+def every_rank_arrives(name: str, timeout: timedelta) -> bool:
+    """Whether every rank of the default process group reached ``name``, learned WITHOUT a collective: while an
+    exception is handled, a peer may be inside another collective (DDP's gradient all-reduce), which an all-reduce
+    would pair with (gloo aborts the process on a size mismatch; an equal size mixes the two silently). Each rank sets
+    its key in the rendezvous store and waits up to ``timeout`` for every peer's, in two rounds, so that a rank that
+    gave up the first never lets a peer go on alone. ``name`` must be the same on every rank for the same point and
+    never used twice. False, at once, without such a store.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group, or a torch that keeps its store elsewhere
+        return False
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for stage in ("arrived", "going"):
+        store.set(f"ckguard/{name}/{stage}/{rank}", "1")
+        deadline = time.monotonic() + timeout.total_seconds()
+        keys = [f"ckguard/{name}/{stage}/{peer}" for peer in range(world_size)]
+        while not store.check(keys):  # polled: the store's own wait takes the store's (long) timeout
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+    return True
+
+
 def describe_error(error: BaseException) -> str:
     """``"TypeName: message"``: how one rank's error is told to the others."""
     return f"{type(error).__name__}: {error}"
@@ -218,6 +244,7 @@ def is_deepspeed_strategy(strategy: Any) -> bool:
 
 __all__ = [
     "FAILING_RANKS",
+    "every_rank_arrives",
     "NO_VALUE",
     "Failures",
     "RankMap",

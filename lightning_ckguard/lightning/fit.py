@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 from typing import Any
 from weakref import proxy
@@ -19,7 +21,7 @@ from weakref import proxy
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_ckguard._distributed import broadcast_value, is_multiprocess
+from lightning_ckguard._distributed import broadcast_value, every_rank_arrives, is_multiprocess
 from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.agree.report import BoundaryReport
@@ -32,7 +34,12 @@ from lightning_ckguard.publish.ledger import Ledger
 from lightning_ckguard.publish.seal import PublicationSeal, save_flushed
 from lightning_ckguard.publish.staging import published_path, writes_directories
 from lightning_ckguard.publish.storage import Storage, storage_for
-from lightning_ckguard.publish.transaction import BoundaryTransaction, active_transaction, run_boundary
+from lightning_ckguard.publish.transaction import (
+    BoundaryAbandoned,
+    BoundaryTransaction,
+    active_transaction,
+    run_boundary,
+)
 from lightning_ckguard.publish.writers import WriteFailure, Writer, choose_writer, writes_as_lightning
 from lightning_ckguard.record.skips import loss_scale, scaler_skip_flag
 from lightning_ckguard.record.source_selection import gradient_source_for
@@ -41,6 +48,9 @@ from lightning_ckguard.recover.policy import Response, respond
 from lightning_ckguard.recover.rewind import DEFAULT_MAX_REWINDS, Position, Rewind, RewindLog
 
 log = logging.getLogger(__name__)
+#: How long ``save_on_exception`` waits, with peers, for every rank to be handling an exception before it saves nothing:
+#: one raised everywhere (a SIGTERM, a Ctrl-C, a deterministic error) reaches every rank within seconds.
+EXCEPTION_RENDEZVOUS = timedelta(seconds=30)
 _warnings = WarningCache()
 
 #: What the warning of a rejection that neither raises nor rewinds says happened.
@@ -62,6 +72,7 @@ class Decisions:
     counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "rejected": 0})
     rewind_log: RewindLog | None = None  # the rewinds of the current (or most recent) fit
     resumed_spike_history: Any = None  # a resumed checkpoint's spike history, taken up by the fit's guard
+    exception_boundaries: int = 0  # save_on_exception boundaries met with peers: names each one's rendezvous alike
 
     @property
     def rewinds(self) -> tuple[Rewind, ...]:
@@ -177,10 +188,12 @@ class GuardedFit:
             return  # the boundary is the rewind's, as a rejected one is
         if self.decisions.rejection is not None:
             return  # the run was rejected: nothing publishes again (the decision was the same on every rank)
+        if during_exception and not self._every_rank_handles_the_exception():
+            return
         top_k_before = (set(self.checkpoint.best_k_models), self.checkpoint.best_model_path)
         self._written_before = self._last_write()
         try:
-            outcome = run_boundary(self.checkpoint, hook, agree=lambda: self._agree_at_boundary(name),
+            outcome = run_boundary(self.checkpoint, hook, agree=lambda: self._agree_at_boundary(name, during_exception),
                                    writer=self.writer, remove=self.evict)
         finally:
             self.vote, self._voted_on, self._collected = None, None, None  # the next boundary takes its own
@@ -194,6 +207,24 @@ class GuardedFit:
             self.guard.reset()
             if self.rewind_log is not None:
                 self._note_published(top_k_before)
+
+    def _every_rank_handles_the_exception(self) -> bool:
+        """Before ``save_on_exception``'s boundary with peers: whether every rank is handling an exception too, asked
+        through the rendezvous store, not a collective (a peer still training may be inside DDP's all-reduce, which
+        the agreement would pair with). Where some rank is not, within :data:`EXCEPTION_RENDEZVOUS`, nothing is
+        saved, with a warning on this rank; no collective runs."""
+        checkpoint, strategy = self.checkpoint, self.trainer.strategy
+        if not (checkpoint._should_save_on_exception(self.trainer) and is_multiprocess(strategy)):
+            return True  # nothing to save, or no peer: the boundary runs no collective or needs none
+        self.decisions.exception_boundaries += 1
+        name = f"{checkpoint.state_key}/exception/{self.decisions.exception_boundaries}"
+        if every_rank_arrives(name, EXCEPTION_RENDEZVOUS):
+            return True
+        warnings.warn(f"FiniteGradCheckpoint (rank {strategy.global_rank}): no checkpoint saved on this exception: "
+                      f"not every rank was handling an exception within {EXCEPTION_RENDEZVOUS.total_seconds():g} s "
+                      "(an exception on some ranks only), so no rank could agree on one; nothing was written.",
+                      stacklevel=2)
+        return False
 
     def take_vote(self, current: Any) -> TopKVote:
         """Every rank's top-K vote on the monitored value ``current`` (one collective: with peers, inside a boundary,
@@ -250,9 +281,10 @@ class GuardedFit:
         if self.trainer.is_global_zero:
             self.storage.release_retired(path)
 
-    def _agree_at_boundary(self, boundary: str) -> bool:
+    def _agree_at_boundary(self, boundary: str, during_exception: bool = False) -> bool:
         """The agreement at a boundary's first file operation (collected with the top-K vote, or now); an earlier
-        write that failed on some rank raises here on every rank, the ledger back to what was published."""
+        write that failed on some rank raises here on every rank, the ledger back to what was published (while an
+        exception is handled, a warning instead, and nothing is saved: the error being handled surfaces)."""
         verdict, carried = self._collected if self._collected is not None else self._collect([])
         self._apply_verdict(verdict, boundary)
         failure = self.writer.settle(self.trainer.strategy, carried)
@@ -260,6 +292,11 @@ class GuardedFit:
             transaction = own_transaction(self.checkpoint)
             if failure.published is not None and transaction is not None:
                 transaction.roll_back_to(failure.published)
+            if during_exception:
+                rank_zero_warn(f"FiniteGradCheckpoint: no checkpoint saved on this exception: an earlier checkpoint "
+                               f"write failed ({type(failure.error).__name__}: {failure.error}); the checkpoint's "
+                               "records went back to what was published.")
+                raise BoundaryAbandoned
             raise failure.error
         return verdict.accepted
 

@@ -38,6 +38,12 @@ class BoundaryRejected(Exception):
     """Unwinds ``ModelCheckpoint``'s hook at a rejected boundary. :func:`run_boundary` catches it; it never escapes."""
 
 
+class BoundaryAbandoned(Exception):
+    """Unwinds ``ModelCheckpoint``'s hook at its first file operation, nothing written and no rejection: the boundary
+    writes nothing (an earlier boundary's failure, learned by every rank while an exception is being handled, where
+    raising it would replace the error being handled). :func:`run_boundary` catches it."""
+
+
 class WriteRefused(BoundaryRejected):
     """Unwinds the hook of a boundary its own guard accepted when another guard of the Trainer refused one of its
     writes (that guard's window still holds a fault): the boundary is undone, as a failed write is, without an
@@ -154,6 +160,10 @@ def run_boundary(
     held_lines.hold()
     try:
         run_hook()
+    except BoundaryAbandoned:
+        held_lines.drop()
+        transaction.before.apply_to(checkpoint)
+        return "wrote nothing"
     except BoundaryRejected:
         held_lines.drop()  # the held lines described what was not done
         transaction.before.apply_to(checkpoint)
@@ -176,6 +186,6 @@ def run_boundary(
 
 
 __all__ = [
-    "BoundaryRejected", "BoundaryTransaction", "BoundaryWriter", "Outcome", "WriteRefused", "active_transaction",
-    "run_boundary",
+    "BoundaryAbandoned", "BoundaryRejected", "BoundaryTransaction", "BoundaryWriter", "Outcome", "WriteRefused",
+    "active_transaction", "run_boundary",
 ]

@@ -150,3 +150,28 @@ def test_a_retired_copy_rank_0_cannot_release_is_held_like_a_refused_move(tmp_pa
     assert ledger_state(callback) == before["state"], "the ledger was not rolled back to the published one"
     published = {name: entry for name, entry in before["tree"].items() if not name.startswith(".")}
     assert tree_digest(str(tmp_path)) == published, "something of the failed boundary is left"  # copies released
+
+
+class RaisesAtStep3(FaultyModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.trainer.global_step == 3:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_held_failure_met_while_an_exception_is_handled_warns_and_the_exception_surfaces(tmp_path):
+    # step 2's rename is refused (held); step 3 raises, and save_on_exception's boundary is the next agreement: the
+    # held failure must not replace the error being handled (nor cut Lightning's handling of it short)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_on_exception=True)
+    trainer = Trainer(callbacks=[callback], max_steps=6, limit_val_batches=0, **QUIET)
+    undo = refuse_moves_to("epoch=0-step=2")
+    try:
+        warned = pytest.warns(UserWarning, match=r"no checkpoint saved on this exception: an earlier checkpoint "
+                                                 r"write failed \(OSError: .*injected")
+        with warned, pytest.raises(RuntimeError, match="boom"):
+            trainer.fit(RaisesAtStep3())
+    finally:
+        undo()
+    assert os.listdir(tmp_path) == []  # step 2 never put in place, nothing saved on the exception
+    assert (callback.best_k_models, callback.last_model_path) == ({}, "")
+    assert trainer.state.status == "interrupted"  # Lightning's own handling ran to its end
