@@ -150,21 +150,21 @@ def every_rank_arrives(name: str, timeout: timedelta) -> bool:
     would pair with (gloo aborts the process on a size mismatch; an equal size mixes the two silently). Each rank sets
     its key in the rendezvous store and waits up to ``timeout`` for every peer's, in two rounds, so that a rank that
     gave up the first never lets a peer go on alone. ``name`` must be the same on every rank for the same point and
-    never used twice. False, at once, without such a store.
+    never used twice. False where the store cannot be asked (none, one without ``check``, its server gone).
     """
     try:
         store = dist.distributed_c10d._get_default_store()
-    except Exception:  # no default group, or a torch that keeps its store elsewhere
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        for stage in ("arrived", "going"):
+            store.set(f"ckguard/{name}/{stage}/{rank}", "1")
+            deadline = time.monotonic() + timeout.total_seconds()
+            keys = [f"ckguard/{name}/{stage}/{peer}" for peer in range(world_size)]
+            while not store.check(keys):  # polled: the store's own wait takes the store's (long) timeout
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+    except Exception:  # no default group or store, a store without `check`, or its server gone with its rank
         return False
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for stage in ("arrived", "going"):
-        store.set(f"ckguard/{name}/{stage}/{rank}", "1")
-        deadline = time.monotonic() + timeout.total_seconds()
-        keys = [f"ckguard/{name}/{stage}/{peer}" for peer in range(world_size)]
-        while not store.check(keys):  # polled: the store's own wait takes the store's (long) timeout
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
     return True
 
 

@@ -8,6 +8,7 @@ seams to this object; what is decided comes from pure functions below it (``reac
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import warnings
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 #: How long ``save_on_exception`` waits, with peers, for every rank to be handling an exception before it saves nothing:
 #: one raised everywhere (a SIGTERM, a Ctrl-C, a deterministic error) reaches every rank within seconds.
 EXCEPTION_RENDEZVOUS = timedelta(seconds=30)
+#: Counts the guarded fits this process set up, alike on every rank: names each one's exception rendezvous.
+_SETUPS = itertools.count(1)
 _warnings = WarningCache()
 
 #: What the warning of a rejection that neither raises nor rewinds says happened.
@@ -72,7 +75,9 @@ class Decisions:
     counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "rejected": 0})
     rewind_log: RewindLog | None = None  # the rewinds of the current (or most recent) fit
     resumed_spike_history: Any = None  # a resumed checkpoint's spike history, taken up by the fit's guard
-    exception_boundaries: int = 0  # save_on_exception boundaries met with peers: names each one's rendezvous alike
+    # a publication that failed while an exception was handled, with peers (no collective was safe, and a rank
+    # rolling back alone would leave the ranks' ledgers apart): its rollback, applied on every rank at the next setup
+    pending_rollback: Ledger | None = None
 
     @property
     def rewinds(self) -> tuple[Rewind, ...]:
@@ -100,6 +105,7 @@ class GuardedFit:
         self._written_before: tuple[Any, Any] = (None, None)  # the last write when this boundary started
         self._rewind_due: BoundaryReport | None = None  # a rejected write outside the boundaries rewinds at the next
         self._resumed_from: str | None = None  # the checkpoint this fit resumed from, as the storage resolved it
+        self._setup_number = 0  # which set-up fit of this process this is (0: one driven by hand, never set up)
 
     @property
     def rewind_log(self) -> RewindLog | None:
@@ -129,9 +135,16 @@ class GuardedFit:
                 return None
             return unwritable_dirpath_error(prepared, trainer.global_rank, trainer.global_step)
 
-        storage.prepare(trainer.strategy, prepared, writable_error, rank_zero_warn)  # None: the barrier alone
+        # None: the barrier alone; a rollback pending on some rank rides in the agreement (the rank that has it)
+        pending = checkpoint._decisions.pending_rollback
+        carried = storage.prepare(trainer.strategy, prepared, writable_error, rank_zero_warn,
+                                  carried=[trainer.global_rank + 1 if pending is not None else 0])
+        if carried and carried[0]:
+            _settle_pending_rollback(checkpoint, trainer.strategy, source=carried[0] - 1)
         # only then the writer: one that takes over an AsyncCheckpointIO is given back by a fit that got this far
-        return cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
+        fit = cls(checkpoint, trainer, storage, _writer_for(checkpoint, trainer, storage))
+        fit._setup_number = next(_SETUPS)
+        return fit
 
     def start_fitting(self, pl_module: Any) -> None:
         """At ``on_fit_start`` (parameter identities are final): the guard, the rewind log; unseal a new fit."""
@@ -216,14 +229,14 @@ class GuardedFit:
         checkpoint, strategy = self.checkpoint, self.trainer.strategy
         if not (checkpoint._should_save_on_exception(self.trainer) and is_multiprocess(strategy)):
             return True  # nothing to save, or no peer: the boundary runs no collective or needs none
-        self.decisions.exception_boundaries += 1
-        name = f"{checkpoint.state_key}/exception/{self.decisions.exception_boundaries}"
-        if every_rank_arrives(name, EXCEPTION_RENDEZVOUS):
+        # one name per set-up fit of a callback, the same on every rank (every rank sets up the same callbacks, in
+        # the same order); never a name an earlier fit's rendezvous left in the store, which outlives Trainers
+        if every_rank_arrives(f"setup-{self._setup_number}/exception", EXCEPTION_RENDEZVOUS):
             return True
         warnings.warn(f"FiniteGradCheckpoint (rank {strategy.global_rank}): no checkpoint saved on this exception: "
                       f"not every rank was handling an exception within {EXCEPTION_RENDEZVOUS.total_seconds():g} s "
-                      "(an exception on some ranks only), so no rank could agree on one; nothing was written.",
-                      stacklevel=2)
+                      "(an exception on some ranks only), or the rendezvous store could not be asked, so no rank "
+                      "could agree on one; nothing was written.", stacklevel=2)
         return False
 
     def take_vote(self, current: Any) -> TopKVote:
@@ -453,7 +466,10 @@ class GuardedFit:
         try:
             failure = self.writer.finish(self.trainer.strategy, during_exception)
             if during_exception and failure is not None:
-                self._roll_back(failure)
+                if not is_multiprocess(self.trainer.strategy):
+                    self._roll_back(failure)
+                elif failure.published is not None:  # rolled back on every rank together, at the next setup
+                    self.decisions.pending_rollback = failure.published
                 rank_zero_warn(f"FiniteGradCheckpoint: a checkpoint write failed as well: {failure.error}")
             else:
                 self._raise_write_failure(failure)
@@ -554,6 +570,17 @@ def drop_missing_checkpoints(checkpoint: Any, fit: GuardedFit | None) -> None:
         Ledger.capture(checkpoint).without(missing, checkpoint.mode).apply_to(checkpoint)
         rank_zero_warn(f"FiniteGradCheckpoint dropped {len(missing)} checkpoint(s) its state lists but that no longer "
                        "exist or are incomplete: " + ", ".join(missing))
+
+
+def _settle_pending_rollback(checkpoint: Any, strategy: Any, source: int) -> None:
+    """On every rank, at setup: the rollback rank ``source`` learned of while an exception was handled (a publication
+    of the last fit failed there), applied now, so that every rank's ledger is the published one again."""
+    decisions = checkpoint._decisions
+    published: Ledger = broadcast_value(strategy, decisions.pending_rollback, src=source)
+    published.apply_to(checkpoint)
+    decisions.pending_rollback = None
+    rank_zero_warn("FiniteGradCheckpoint: the records of the last fit went back, on every rank, to what it published: "
+                   f"a checkpoint write of it had failed on rank {source} while an exception was handled.")
 
 
 def _dirpath(checkpoint: Any) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -226,15 +226,19 @@ _ABSENT = object()
 _POST_SAVE_BARRIER = "Trainer.save_checkpoint"
 
 
-def agree_on_write(strategy: Any, failure: Exception | None, filepath: str) -> None:
-    """Raise on every rank if the write of ``filepath`` failed on any rank; no collective without peers.
+def agree_on_write(strategy: Any, failure: Exception | None, filepath: str,
+                   values: Sequence[int] = ()) -> tuple[int, ...]:
+    """Raise on every rank if the write of ``filepath`` failed on any rank; no collective without peers. ``values``,
+    a few integers every rank sends alike, ride along: returns the largest of each over the ranks.
 
     The failing ranks re-raise their own error; the others raise :class:`CheckpointWriteError` naming the first
     failing rank and its error.
     """
-    error = write_error(agree_on_failure(strategy, failure), failure, filepath)
+    found = agree_on_failure(strategy, failure, values=values)
+    error = write_error(found, failure, filepath)
     if error is not None:
         raise error
+    return found.values
 
 
 def write_error(found: Failures, own: BaseException | None, filepath: str,

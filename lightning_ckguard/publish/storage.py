@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_ckguard._distributed import barrier, is_rank_zero
@@ -60,7 +60,8 @@ class LocalStorage:
                         fallback: Callable[[], bool]) -> bool:
         """``ModelCheckpoint._should_remove_checkpoint`` (``fallback``), and never the file the fit resumed from
         (``resumed_from``, as :meth:`resumed_checkpoint` resolved it), whatever link it was resumed through."""
-        if resumed_from is not None and os.path.realpath(previous) == resumed_from:
+        # a link is removed as ModelCheckpoint removes it (no checkpoint goes with it), the file it points to never
+        if resumed_from is not None and not os.path.islink(previous) and os.path.realpath(previous) == resumed_from:
             return False
         return fallback()
 
@@ -78,12 +79,13 @@ class LocalStorage:
         """Every strategy writes to local disk."""
 
     def prepare(self, strategy: Any, dirpath: str | None, writable_error: Callable[[], Exception | None],
-                warn: Callable[[str], None]) -> None:
+                warn: Callable[[str], None], carried: Sequence[int] = ()) -> tuple[int, ...] | None:
         """At setup, on every rank: rank 0 recovers what a crash left; every rank checks that it can write (agreed,
-        so it is also the barrier after the recovery: no rank restores before the files are back)."""
+        so it is also the barrier after the recovery: no rank restores before the files are back). ``carried`` rides
+        in that agreement: returns the largest of each over the ranks; None where nothing is prepared (a barrier)."""
         if dirpath is None:
             barrier(strategy, "FiniteGradCheckpoint.recover")
-            return
+            return None
         failure: Exception | None = None
         if is_rank_zero(strategy):
             try:
@@ -91,7 +93,7 @@ class LocalStorage:
                     warn(f"FiniteGradCheckpoint {action}.")
             except Exception as error:  # raised on every rank by the agreement below, not on rank 0 alone
                 failure = error
-        agree_on_write(strategy, failure or writable_error(), dirpath)
+        return agree_on_write(strategy, failure or writable_error(), dirpath, carried)
 
     def release_retired(self, path: str) -> None:
         """Remove the copy of ``path`` that replacing it kept for readers (rank 0)."""
@@ -150,9 +152,10 @@ class ObjectStorage:
             raise unsupported
 
     def prepare(self, strategy: Any, dirpath: str | None, writable_error: Callable[[], Exception | None],
-                warn: Callable[[str], None]) -> None:
-        """At setup, on every rank: nothing to recover; the barrier every kind runs here."""
+                warn: Callable[[str], None], carried: Sequence[int] = ()) -> tuple[int, ...] | None:
+        """At setup, on every rank: nothing to recover; the barrier every kind runs here (nothing carried: None)."""
         barrier(strategy, "FiniteGradCheckpoint.recover")
+        return None
 
     def release_retired(self, path: str) -> None:
         """Nothing is kept for readers on object storage."""

@@ -21,8 +21,11 @@ def _ranks(worker_results: WorkerResults, scenario: str) -> list[dict[str, Any]]
     return [rank[scenario] for rank in launch.ranks]
 
 
-def test_an_exception_on_one_rank_saves_nothing_and_each_rank_ends_with_a_python_error(worker_results):
-    rank_0, rank_1 = _ranks(worker_results, "one-rank")
+@pytest.mark.parametrize("scenario", ["one-rank", "again-on-one-rank"])
+def test_an_exception_on_one_rank_saves_nothing_and_each_rank_ends_with_a_python_error(worker_results, scenario):
+    # "again-on-one-rank": after a fit whose exception every rank handled (and saved), in the same processes
+    rank_0, rank_1 = (result if scenario == "one-rank" else result["second"]
+                      for result in _ranks(worker_results, scenario))
     # rank 1 its own error; rank 0 the broken process group's (it lost its peer): an error, not an abort
     assert rank_1["error"]["unexpected"] == "RuntimeError: boom on rank 1", rank_1["error"]
     assert rank_0["error"] is not None and "unexpected" in rank_0["error"], rank_0

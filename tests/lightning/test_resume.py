@@ -95,3 +95,26 @@ def test_the_file_a_fit_resumed_from_through_the_last_link_is_never_evicted(tmp_
     assert _ckpt_files(tmp_path) == {"epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt"}
     assert torch.load(tmp_path / "epoch=1-step=4.ckpt", weights_only=False)["global_step"] == 4
     assert list(second.best_k_models) == [str(tmp_path / "epoch=3-step=8.ckpt")]
+
+
+def _resumed_through_its_own_name_with_last_links(cls: type[ModelCheckpoint], root) -> dict[str, str]:
+    """Every 2 steps, `last-{epoch}` links; the second fit resumes from step 4's file by its own name, which
+    `last-epoch=0` links to. Returns the directory: each name, a file or the link's target."""
+    def trainer(max_epochs: int) -> Trainer:
+        callback = cls(dirpath=root, save_last="link", save_top_k=-1, every_n_train_steps=2)
+        callback.CHECKPOINT_NAME_LAST = "last-{epoch}"
+        return Trainer(callbacks=[callback], max_epochs=max_epochs, limit_train_batches=4, limit_val_batches=0,
+                       **QUIET)
+
+    seed_everything(0)
+    trainer(1).fit(FaultyModel())
+    trainer(2).fit(FaultyModel(), ckpt_path=str(root / "epoch=0-step=4.ckpt"))
+    return {name: os.readlink(root / name) if os.path.islink(root / name) else "file" for name in os.listdir(root)}
+
+
+def test_a_last_link_to_the_file_a_fit_resumed_from_goes_as_model_checkpoint_removes_it(tmp_path):
+    # only the file resumed from is kept; a link to it holds no checkpoint and goes (or stays) as ModelCheckpoint has it
+    plain = _resumed_through_its_own_name_with_last_links(ModelCheckpoint, tmp_path / "plain")
+    guarded = _resumed_through_its_own_name_with_last_links(FiniteGradCheckpoint, tmp_path / "guarded")
+    assert guarded == plain
+    assert "epoch=0-step=4.ckpt" in guarded

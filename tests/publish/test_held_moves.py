@@ -128,6 +128,21 @@ def test_a_failed_eviction_on_rank_0_raises_on_every_rank_at_the_next_agreement(
     assert sorted(rank0["tree"]) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(330)
+def test_a_held_failure_learned_during_an_exception_rolls_back_every_rank_at_the_next_setup(worker_results):
+    ranks = worker_results("workers/held_moves_worker.py", [OUT, "held-then-exception"], timeout=300).ranks
+    results = [rank["held-then-exception"] for rank in ranks]
+    for rank, result in enumerate(results):
+        assert result["first"]["error"]["unexpected"] == f"RuntimeError: boom on rank {rank}", result["first"]
+        assert result["second"]["error"] is None, f"rank {rank}: {result['second']['error']}"
+    # the same ledger on both ranks after the exception (rank 0 rolling back alone made the next fit hang) ...
+    assert results[0]["first"]["state"] == results[1]["first"]["state"]
+    # ... and the next fit started from what was published (nothing): it saved at steps 2 and 4
+    assert results[0]["second"]["state"] == results[1]["second"]["state"]
+    assert sorted(results[0]["second"]["tree"]) == ["step=2.ckpt", "step=4.ckpt"]
+
+
 def test_a_retired_copy_rank_0_cannot_release_is_held_like_a_refused_move(tmp_path, monkeypatch):
     # epoch 2 writes `last` again, and rank 0 first releases the copy kept for readers of the one before: that fails
     # (a reader's file held open in it, on NFS). Held, not raised on rank 0 alone: nothing of the boundary is put in

@@ -6,6 +6,8 @@ raises ``RuntimeError("boom on rank N")``:
   run by rank 1's exception handler would pair with it (gloo aborts rank 0 on the size mismatch, or, at an equal size,
   sums rank 1's ballot into rank 0's gradients).
 - ``every-rank``: on both ranks, as a SIGTERM or a deterministic error does: the checkpoint on exception is saved.
+- ``again-on-one-rank``: ``every-rank``, then in the same processes a new callback and Trainer with ``one-rank``: the
+  rendezvous store outlives Trainers, and the first fit's keys must not stand for the second's.
 
 The rendezvous waits ``RENDEZVOUS`` here, not its 30 s. Each rank writes ``OUT_DIR/rank{N}.json``: how the fit ended,
 its warnings, the checkpoint directory and the seconds the fit took.
@@ -64,7 +66,9 @@ def _raising(root: str, name: str, raising_ranks: tuple[int, ...]) -> dict[str, 
 
 def main() -> None:
     scenarios = {"one-rank": lambda root: _raising(root, "one-rank", (1,)),
-                 "every-rank": lambda root: _raising(root, "every-rank", (0, 1))}
+                 "every-rank": lambda root: _raising(root, "every-rank", (0, 1)),
+                 "again-on-one-rank": lambda root: {"first": _raising(root, "first", (0, 1)),
+                                                    "second": _raising(root, "second", (1,))}}
     run_scenarios(scenarios, sys.argv[1], set(sys.argv[2:]))
 
 

@@ -5,6 +5,11 @@
   eviction of epoch 0's (only rank 0 removes) fails like a busy file (``EBUSY``). Every rank should raise at epoch 2's
   agreement, not leave rank 1 waiting in it.
 
+- ``held-then-exception``: DDP, a checkpoint every 2 steps; rank 0's move of step 2's checkpoint into place is refused
+  (held), then every rank raises at step 3, so the held failure is learned while the exception is handled, where no
+  collective is safe. A second fit with the same callback, on a new Trainer, must start from the same ledger on every
+  rank (rank 0 rolling back alone made it save at step 2 while rank 1 skipped that save: a hang).
+
 Each rank writes ``OUT_DIR/rank{N}.json``: how the fit ended, the checkpoint directory, the callback's ledger, and both
 as they were before epoch 2's boundary (step 5).
 """
@@ -23,7 +28,16 @@ import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, BusyRemovalIO, FaultyModel, fit_outcome, ledger_state, run_scenarios, tree_digest  # noqa: E402
+from helpers import (  # noqa: E402
+    QUIET,
+    BusyRemovalIO,
+    FaultyModel,
+    fit_outcome,
+    ledger_state,
+    refuse_moves_to,
+    run_scenarios,
+    tree_digest,
+)
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -45,8 +59,36 @@ def evict_fails(root: str) -> dict[str, Any]:
     return result
 
 
+class RaisesAtStep3(FaultyModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.trainer.global_step == 3:
+            raise RuntimeError(f"boom on rank {self.global_rank}")
+        return super().training_step(batch, batch_idx)
+
+
+def held_then_exception(root: str) -> dict[str, Any]:
+    dirpath = os.path.join(root, "held-then-exception")
+    callback = FiniteGradCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    seed_everything(7)
+    undo = refuse_moves_to("step=2")  # only rank 0 moves: rank 1's is never used
+    try:
+        first = fit_outcome(lambda: _steps_trainer(callback, 6).fit(RaisesAtStep3()))
+    finally:
+        undo()
+    first.update(state=ledger_state(callback))
+    second = fit_outcome(lambda: _steps_trainer(callback, 4).fit(FaultyModel()), write_errors=True)
+    second.update(state=ledger_state(callback), tree=tree_digest(dirpath))
+    return {"first": first, "second": second}
+
+
+def _steps_trainer(callback: FiniteGradCheckpoint, max_steps: int) -> Trainer:
+    return Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[callback],
+                   max_steps=max_steps, limit_val_batches=0, **QUIET)
+
+
 def main() -> None:
-    run_scenarios({"evict-fails": evict_fails}, sys.argv[1], set(sys.argv[2:]))
+    run_scenarios({"evict-fails": evict_fails, "held-then-exception": held_then_exception}, sys.argv[1],
+                  set(sys.argv[2:]))
 
 
 if __name__ == "__main__":
