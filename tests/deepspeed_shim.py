@@ -53,18 +53,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(
         self, model: Any, optimizer: Any | None, lr_scheduler: Any | None = None
     ) -> tuple[Any, Any]:
-        # the parent passes device_rank=self.root_device.index, which is None for a CPU device
-        assert deepspeed is not None
-        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank),
-            config=self.config,
-            model=model,
-            model_parameters=model_parameters,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
+        engine, ds_optimizer, _ = _initialize_on_cpu(self, model, optimizer, lr_scheduler)
         return engine, ds_optimizer
 
 
@@ -86,19 +75,23 @@ class CPUFabricDeepSpeedStrategy(FabricDeepSpeedStrategy):
 
     def _initialize_engine(self, model: Any, optimizer: Any | None = None, scheduler: Any | None = None
                            ) -> tuple[Any, Any, Any]:
-        # the parent passes device_rank=self.root_device.index, which is None for a CPU device
-        assert deepspeed is not None
-        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
-        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank),
-            config=self.config,
-            model=model,
-            model_parameters=model_parameters,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            dist_init_required=False,
-        )
-        return engine, ds_optimizer, ds_scheduler
+        return _initialize_on_cpu(self, model, optimizer, scheduler)
+
+
+def _initialize_on_cpu(strategy: Any, model: Any, optimizer: Any | None, scheduler: Any | None) -> tuple[Any, Any, Any]:
+    """``deepspeed.initialize`` as Lightning's and Fabric's strategies call it, but with ``device_rank`` the local rank:
+    they pass ``root_device.index``, which is None for a CPU device. Returns the engine, its optimizer and scheduler."""
+    assert deepspeed is not None
+    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+        args=argparse.Namespace(device_rank=strategy.local_rank),
+        config=strategy.config,
+        model=model,
+        model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        dist_init_required=False,
+    )
+    return engine, ds_optimizer, ds_scheduler
 
 
 def deepspeed_config(
