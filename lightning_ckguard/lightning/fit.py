@@ -208,6 +208,13 @@ class GuardedFit:
         try:
             outcome = run_boundary(self.checkpoint, hook, agree=lambda: self._agree_at_boundary(name, during_exception),
                                    writer=self.writer, remove=self.evict)
+        except Exception as error:
+            if not during_exception:
+                raise
+            # rolled back (run_boundary did); the error being handled is the one to surface, not this save's
+            warnings.warn(f"FiniteGradCheckpoint (rank {self.trainer.global_rank}): no checkpoint saved on this "
+                          f"exception: {type(error).__name__}: {error}", stacklevel=2)
+            return
         finally:
             self.vote, self._voted_on, self._collected = None, None, None  # the next boundary takes its own
         if outcome == "rejected":
@@ -227,7 +234,9 @@ class GuardedFit:
         the agreement would pair with). Where some rank is not, within :data:`EXCEPTION_RENDEZVOUS`, nothing is
         saved, with a warning on this rank; no collective runs."""
         checkpoint, strategy = self.checkpoint, self.trainer.strategy
-        if not (checkpoint._should_save_on_exception(self.trainer) and is_multiprocess(strategy)):
+        should_save = getattr(checkpoint, "_should_save_on_exception", None)  # ModelCheckpoint's rule, where it has it
+        saving = should_save(self.trainer) if callable(should_save) else bool(checkpoint.save_on_exception)
+        if not (saving and is_multiprocess(strategy)):
             return True  # nothing to save, or no peer: the boundary runs no collective or needs none
         # one name per set-up fit of a callback, the same on every rank (every rank sets up the same callbacks, in
         # the same order); never a name an earlier fit's rendezvous left in the store, which outlives Trainers

@@ -200,6 +200,28 @@ def test_save_on_exception_with_a_finite_window_saves_like_model_checkpoint(cls,
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "epoch=1-step=5.ckpt"]
 
 
+class FailsAtAndCannotSaveThere(FailsAt):
+    """The checkpoint on exception cannot be made either (a disk full, a broken peer's collective)."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.global_step == self.fail_step:
+            raise OSError(28, "No space left on device (injected)")
+
+
+def test_a_save_on_exception_that_fails_warns_and_the_original_error_surfaces(tmp_path):
+    # ModelCheckpoint raises the save's error out of on_exception, in place of the one Lightning was handling (and
+    # cuts Lightning's handling short); the guarded save is rolled back, says why on this rank, and lets it surface
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_on_exception=True)
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], **QUIET, **EPOCHS)
+    with pytest.warns(UserWarning, match=r"\(rank 0\): no checkpoint saved on this exception: OSError: .*No space"), \
+            pytest.raises(RuntimeError, match="hiccup"):
+        trainer.fit(FailsAtAndCannotSaveThere(5, val_losses=VAL_LOSSES))
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt"]
+    assert list(callback.best_k_models) == [str(tmp_path / "epoch=0-step=3.ckpt")]
+    assert trainer.state.status == "interrupted"
+
+
 def test_save_on_exception_after_a_nan_saves_nothing_and_keeps_the_original_error(tmp_path):
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_on_exception=True)
     model = FailsAt(5, fault_steps=[4], val_losses=VAL_LOSSES)
