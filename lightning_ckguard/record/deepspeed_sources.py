@@ -28,10 +28,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_ckguard.record.sources import ParameterGradients, ParameterIndex
-
-# name-mangled private attribute of DeepSpeedZeroOptimizer_Stage3: ds_id -> this rank's gradient partition
-_STAGE3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+from lightning_ckguard.record.sources import ZERO3_GRAD_PARTITIONS, ParameterGradients, ParameterIndex
 
 
 def is_deepspeed_engine(obj: Any) -> bool:
@@ -91,7 +88,7 @@ class DeepSpeedGradients:
             return None
         ds_optimizer = getattr(self.engine, "optimizer", None)
         pairs: list[tuple[int, Tensor]]
-        if hasattr(ds_optimizer, _STAGE3_GRAD_PARTITIONS):
+        if hasattr(ds_optimizer, ZERO3_GRAD_PARTITIONS):
             pairs = self._stage3(ds_optimizer)
         elif hasattr(ds_optimizer, "averaged_gradients") and hasattr(ds_optimizer, "params_in_partition"):
             pairs = self._stage1_and_2(ds_optimizer)
@@ -141,7 +138,7 @@ class DeepSpeedGradients:
         return pairs
 
     def _stage3(self, opt: Any) -> list[tuple[int, Tensor]]:
-        partitions = getattr(opt, _STAGE3_GRAD_PARTITIONS)
+        partitions = getattr(opt, ZERO3_GRAD_PARTITIONS)
         pairs: list[tuple[int, Tensor]] = []
         for group in opt.fp16_groups:
             for param in group:

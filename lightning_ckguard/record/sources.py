@@ -47,10 +47,11 @@ class GradientSource(Protocol):
 _MODULE_WRAPPERS = {"_FabricModule": "module", "DistributedDataParallel": "module", "OptimizedModule": "_orig_mod"}
 
 
+#: Where DeepSpeed's ZeRO-3 optimizer keeps this rank's gradient partitions, by ``ds_id`` (a name-mangled attribute).
+ZERO3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 #: Attributes by which an optimizer that applies gradients it keeps outside ``param.grad`` is known: DeepSpeed's
 #: ZeRO-1/2 (the reduced partitions), ZeRO-3 and bf16 optimizers. ``param.grad`` holds nothing of what they apply.
-_GRADIENTS_OUTSIDE_PARAMS = (("averaged_gradients", "params_in_partition"),
-                             ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",),
+_GRADIENTS_OUTSIDE_PARAMS = (("averaged_gradients", "params_in_partition"), (ZERO3_GRAD_PARTITIONS,),
                              ("fp32_groups_gradients", "bf16_groups"))
 
 
