@@ -278,6 +278,11 @@ class GradientGuard:
         self._accepted_window = None
         self.window.reset(pending_rejection=pending_rejection, discard_step_under_way=discard_step_under_way)
 
+    def forget_unpublished_window(self) -> None:
+        """The last agreement's accepted window was not published (a boundary that agreed and then wrote nothing):
+        a spike gate must not learn it, by :meth:`state_dict` or the next :meth:`reset`. The window itself goes on."""
+        self._accepted_window = None
+
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs of this guard: with a spike gate, its accepted history
         (``{"spike_history": {measure: [values]}}``), the window just agreed on included, since the checkpoint that

@@ -29,6 +29,7 @@ from lightning_ckguard.lightning.fit import (
     Decisions,
     GuardedFit,
     drop_missing_checkpoints,
+    guard_state,
     link_in_boundary,
     own_transaction,
 )
@@ -326,8 +327,7 @@ class GuardedCheckpoint(_CheckpointBase):
 
     def state_dict(self) -> dict[str, Any]:
         """``ModelCheckpoint``'s state, plus the format version of this release and a spike gate's accepted history."""
-        guard = self._fit.guard if self._fit is not None else None
-        return validation.with_format_version(super().state_dict()) | (guard.state_dict() if guard is not None else {})
+        return validation.with_format_version(super().state_dict()) | guard_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by this or an earlier release, or by a plain ``ModelCheckpoint``; forget (with a
@@ -337,7 +337,7 @@ class GuardedCheckpoint(_CheckpointBase):
             ValueError: If the state comes from a newer, unknown format: loading it could silently drop bookkeeping.
         """
         super().load_state_dict(validation.without_format_version(state_dict))
-        self._decisions.resumed_spike_history = state_dict.get("spike_history")  # for this fit's guard
+        self._decisions.spike_history = state_dict.get("spike_history")  # for this fit's guard
         drop_missing_checkpoints(self, self._fit)
 
 

@@ -74,7 +74,9 @@ class Decisions:
     last_report: BoundaryReport | None = None
     counts: dict[str, int] = field(default_factory=lambda: {"accepted": 0, "rejected": 0})
     rewind_log: RewindLog | None = None  # the rewinds of the current (or most recent) fit
-    resumed_spike_history: Any = None  # a resumed checkpoint's spike history, taken up by the fit's guard
+    # a spike gate's accepted history between fits: a resumed checkpoint's, or the one the last fit ended with; the
+    # next fit's guard takes it up (a checkpoint resumed from wins)
+    spike_history: Any = None
     # a publication that failed while an exception was handled, with peers (no collective was safe, and a rank
     # rolling back alone would leave the ranks' ledgers apart): its rollback, applied on every rank at the next setup
     pending_rollback: Ledger | None = None
@@ -216,8 +218,11 @@ class GuardedFit:
                           f"exception: {type(error).__name__}: {error}", stacklevel=2)
             return
         finally:
+            judged = (self.vote, self._collected)
             self.vote, self._voted_on, self._collected = None, None, None  # the next boundary takes its own
-        if outcome == "rejected":
+        if outcome == "wrote nothing" and not during_exception:
+            self._judge_unwritten(name, *judged)
+        elif outcome == "rejected":
             self._reject(during_exception)
         elif outcome == "refused":
             rank_zero_warn(f"FiniteGradCheckpoint: another guarded callback refused a write of the boundary at {name} "
@@ -227,6 +232,27 @@ class GuardedFit:
             self.guard.reset()
             if self.rewind_log is not None:
                 self._note_published(top_k_before)
+
+    def _judge_unwritten(self, boundary: str, vote: TopKVote | None,
+                         collected: tuple[Verdict, Sequence[int]] | None) -> None:
+        """A boundary whose hook ranked a monitored value every rank logged, and wrote nothing (not in the top K, not
+        due), still judges the window, so that ``on_non_finite`` acts at the first such boundary after a fault rather
+        than at the first one that writes (which may never come: a diverged run's metric stops improving). A rejection
+        is applied as at a write; an acceptance changes nothing and the window goes on (nothing was published, so a
+        spike gate learns nothing of it). With peers the verdict came with the vote, no collective more; without,
+        it is taken here on the gradients and the spike gate (the state is checked with a write): one small host
+        read, where ``ModelCheckpoint``'s own ranking reads the monitored value."""
+        guard = self.guard
+        if guard is None or vote is None or vote.missing_ranks or vote.missing_everywhere:
+            return
+        if collected is None and is_multiprocess(self.trainer.strategy):
+            return  # no verdict came with the vote, and taking one here would be a collective ModelCheckpoint lacks
+        verdict = collected[0] if collected is not None else guard.agree(self.trainer.strategy,
+                                                                         global_step=self.trainer.global_step)
+        guard.forget_unpublished_window()
+        if not verdict.accepted:
+            self._apply_verdict(verdict, boundary)
+            self._reject(during_exception=False)
 
     def _every_rank_handles_the_exception(self) -> bool:
         """Before ``save_on_exception``'s boundary with peers: whether every rank is handling an exception too, asked
@@ -500,6 +526,8 @@ class GuardedFit:
                            f"from this process any more.")
         if self.decisions.rejection is None:
             PublicationSeal.uninstall(self.trainer, self.checkpoint)
+        if self.guard is not None and self.guard.spike_gate is not None:  # for the callback's state and a next fit
+            self.decisions.spike_history = self.guard.state_dict().get("spike_history")
         self.writer.release()
         flush_held_metrics(self.trainer, uninstall=True)  # what a fit without a train end (validate) still holds
 
@@ -519,9 +547,9 @@ class GuardedFit:
         module = trainer.lightning_module  # None on a Trainer driven by hand: nothing recorded, nothing to check
         guard = GradientGuard(module, count_skipped_steps=self.checkpoint.count_skipped_steps, source=source,
                               device=trainer.strategy.root_device, spike_gate=self.checkpoint.spike_gate)
-        if self.decisions.resumed_spike_history is not None:  # a resumed fit's gate keeps its baseline
-            guard.load_state_dict({"spike_history": self.decisions.resumed_spike_history})
-            self.decisions.resumed_spike_history = None
+        if self.decisions.spike_history is not None:  # a resumed or continued fit's gate keeps its baseline
+            guard.load_state_dict({"spike_history": self.decisions.spike_history})
+            self.decisions.spike_history = None
         constants = sorted(guard.note_constant_buffers(module)) if module is not None else []
         for callback in getattr(trainer, "callbacks", ()):  # set by Lightning's callback connector
             averaged = averaged_weights(callback)
@@ -534,6 +562,16 @@ class GuardedFit:
                 f"-inf), so they are treated as constants and not checked: {', '.join(constants)}."
             )
         return guard
+
+
+def guard_state(checkpoint: Any) -> dict[str, Any]:
+    """What the callback's state adds to ``ModelCheckpoint``'s: a spike gate's accepted history, the running fit's
+    guard's, else the one the last fit ended with or a resumed checkpoint gave (nothing without a gate)."""
+    fit: GuardedFit | None = checkpoint._fit
+    if fit is not None and fit.guard is not None:
+        return fit.guard.state_dict()
+    history = checkpoint._decisions.spike_history
+    return {"spike_history": history} if history is not None and checkpoint.spike_gate is not None else {}
 
 
 def own_transaction(checkpoint: Any) -> BoundaryTransaction | None:
@@ -621,4 +659,5 @@ def _writer_for(checkpoint: Any, trainer: Any, storage: Storage, background: boo
                          staged_io=staged_io)
 
 
-__all__ = ["Decisions", "GuardedFit", "drop_missing_checkpoints", "link_in_boundary", "own_transaction"]
+__all__ = ["Decisions", "GuardedFit", "drop_missing_checkpoints", "guard_state", "link_in_boundary",
+           "own_transaction"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Any
@@ -11,9 +12,8 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from conftest import LAST_AT_EVERY_BOUNDARY
 from helpers import QUIET, FaultyModel, count_agreements, ledger_state, relative_paths, tree_digest
-from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
+from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError, SpikeGate
 
 EPOCHS = dict(max_epochs=4, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0)
 VAL_LOSSES = [3.0, 1.0, 2.0, 0.5]
@@ -85,13 +85,40 @@ def test_one_agreement_per_boundary_however_many_files_it_writes(save_last, tmp_
     assert sorted(os.listdir(tmp_path)) == ["epoch=3-step=12.ckpt", "last.ckpt"]
 
 
-def test_boundaries_that_write_nothing_need_no_agreement(tmp_path, monkeypatch):
+def test_boundaries_that_write_nothing_judge_the_window_once_and_do_not_consume_it(tmp_path, monkeypatch):
     agreements = count_agreements(monkeypatch)
-    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
-    fit(callback, dict(EPOCHS), val_losses=[1.0, 2.0, 3.0, 4.0])  # only epoch 0 is a top-1
-    # Lightning 2.6 writes `last` only where a top-K file was saved; 2.5 at every validation end, each one a write
-    assert len(agreements) == (4 if LAST_AT_EVERY_BOUNDARY else 1)
+    gate = SpikeGate(warmup_steps=100)  # never judges here; its history shows which windows were published
+    callback = FiniteGradCheckpoint(dirpath=tmp_path / "a", monitor="val_loss", save_top_k=1, save_last=True,
+                                    spike_gate=gate)
+    fit(callback, dict(EPOCHS, max_epochs=3), val_losses=[1.0, 2.0, 3.0])  # only epoch 0 is a top-1
+    # one judgement per validation end, written or not (without peers the unwritten ones are local: no collective)
+    assert agreements == [3, 6, 9]
+    assert sorted(os.listdir(tmp_path / "a")) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    # an accepted window that was not published is not learned: only epoch 0's 3 steps
+    assert {k: len(v) for k, v in callback.state_dict()["spike_history"].items()} == {"loss": 3, "grad_norm": 3}
+    # nor consumed: epoch 3's publication covers steps 3 to 11, each learned once
+    callback = FiniteGradCheckpoint(dirpath=tmp_path / "b", monitor="val_loss", save_top_k=1, spike_gate=gate)
+    fit(callback, dict(EPOCHS), val_losses=[2.0, 3.0, 4.0, 1.0])
+    assert {k: len(v) for k, v in callback.state_dict()["spike_history"].items()} == {"loss": 12, "grad_norm": 12}
+
+
+@pytest.mark.parametrize("policy", ["raise", "stop"])
+def test_a_boundary_that_writes_nothing_applies_the_rejection_of_a_fault_before_it(policy, tmp_path):
+    # a NaN at step 4 (epoch 1); no later validation makes the top 1, so no later boundary writes: the policy acts at
+    # epoch 1's boundary all the same, rather than never
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True,
+                                    on_non_finite=policy)
+    with contextlib.ExitStack() as stack:
+        if policy == "raise":
+            stack.enter_context(pytest.raises(NonFiniteGradientError, match="at global step 6"))
+        else:
+            stack.enter_context(pytest.warns(UserWarning, match="at train epoch end.*global step 6.*Stopping"))
+        trainer = fit(callback, EPOCHS, fault_steps=[4], val_losses=[1.0, 2.0, 3.0, 4.0])
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert callback.rejection is not None and callback.rejection.global_step == 6
+    assert callback.rejection.first_step == 4
+    if policy == "stop":
+        assert trainer.global_step == 6
 
 
 def test_rejection_of_top_k_plus_link_changes_nothing(tmp_path):

@@ -105,11 +105,12 @@ def test_stop_policy_stops_every_rank_and_publishes_nothing(ranks, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_unselected_validation_boundary_does_not_consume_the_window(ranks, optimizer):
-    # NaN at step 3 (epoch 1); epoch 1's validation is not in the top-1 and writes nothing; epoch 2's is selected
+def test_an_unselected_boundary_applies_the_rejection_its_vote_carried(ranks, optimizer):
+    # NaN at step 3 (epoch 1); epoch 1's validation is not in the top-1 and writes nothing, but the verdict that came
+    # with its top-K vote rejects: every rank raises there (global step 4), not at epoch 2's selected boundary
     for results in ranks:
         result = results[f"{optimizer}-unselected-reject"]
-        assert result["error"] == {**EXPECTED_REJECTION, "first_step": 3, "last_step": 3}
+        assert result["error"] == {**EXPECTED_REJECTION, "first_step": 3, "last_step": 3, "global_step": 4}
         assert result["state"] == result["snapshots"]["3"]["state"]
     rank0 = ranks[0][f"{optimizer}-unselected-reject"]
     assert rank0["tree"] == rank0["snapshots"]["3"]["tree"]

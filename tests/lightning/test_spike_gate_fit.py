@@ -266,3 +266,15 @@ def test_a_malformed_spike_history_is_a_value_error():
     guard.load_state_dict({"spike_history": {"loss": [2.0] * 5, "unwatched": [1.0]}})
     assert guard.state_dict() == {"spike_history": {"loss": [2.0] * 5, "grad_norm": []}}
     assert GradientGuard(torch.nn.Linear(2, 1)).state_dict() == {}
+
+
+def test_the_gates_history_outlives_its_fit_in_the_callbacks_state_and_in_a_next_fit(tmp_path):
+    callback, *_ = fit(tmp_path, batches(40, bad=None), max_steps=12)
+    # after the fit, the callback's state holds what its last checkpoint holds (a `trainer.save_checkpoint` now too)
+    last = torch.load(tmp_path / "checkpoints" / "step=12.ckpt", weights_only=True)
+    assert callback.state_dict()["spike_history"] == last["callbacks"][callback.state_key]["spike_history"]
+    # a next fit with the same callback keeps the baseline: a spike at its first step is caught, not warmed up on
+    seed_everything(0)
+    trainer = Trainer(max_steps=1, limit_val_batches=0, callbacks=[callback], **QUIET)
+    with pytest.warns(UserWarning, match="the loss spiked at step 0"):
+        trainer.fit(Regression([(x, y * 1e3) for x, y in batches(40, bad=None)]))
