@@ -30,7 +30,7 @@ class Spike:
         last_step: The same step; in a window longer than the gate's resolution a value stands for the largest of
             several consecutive steps, ``first_step`` to ``last_step``.
         value: The measure at that step, over every rank (the mean loss, the norm of all gradients).
-        baseline: The median of the measure over the accepted steps before the window.
+        baseline: The median of the measure over the accepted window values before this window.
         ratio: ``value / baseline`` for a positive baseline; else ``1 + (value - baseline) / |baseline|`` (the
             rise in units of the baseline's size).
         deviations: ``(value - baseline)`` in robust standard deviations (1.4826 times the median absolute

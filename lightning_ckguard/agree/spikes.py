@@ -56,8 +56,12 @@ class SpikeGate:
             ``factor - 1`` times the baseline's size) ...
         deviations: ... and more than ``deviations`` robust standard deviations above it (1.4826 times the
             history's median absolute deviation).
-        warmup_steps: Accepted steps learned before anything can spike.
-        history: Accepted steps the baseline is taken over (the most recent ones).
+        warmup_steps: Accepted window values learned before anything can spike. A window of up to ``resolution``
+            steps gives one value per step; a longer one is folded, and each of its values stands for the largest of
+            2, 4, ... steps, so a long window teaches fewer values than it has steps (steps whose values were not
+            finite teach none).
+        history: Accepted window values the baseline is taken over (the most recent ones), counted as for
+            ``warmup_steps``: one per step of a window up to ``resolution`` steps, one per folded slot beyond.
         resolution: Steps a window holds one by one; in a longer window each value stands for the largest of 2, 4,
             ... neighbouring steps, and the boundary's all-reduce stays ``5 * resolution`` float64 words.
 

@@ -7,8 +7,10 @@ callback. So an agreement does not log on its own: its values are held here and 
 anyway (the same step, the same logger calls, a few more keys in the dict). Values that no flush picks up before the
 fit ends are logged once, at the end, in one call (:meth:`HeldMetrics.flush_remaining`).
 
-Counts that only grow (boundaries accepted, rejected, rewinds) keep their latest value; per-boundary counts
-(non-finite and skipped steps) are summed over the boundaries since the last flush, so no boundary's count is lost.
+When several boundaries fall between two flushes, each key keeps what a single logged value should say about all of
+them: counts that only grow (boundaries accepted, rejected, rewinds) and a spike gate's baselines keep their latest
+value; per-boundary counts (non-finite and skipped steps) are summed, so no boundary's count is lost; a spike gate's
+``*_window_max`` values keep the largest, so a spike between two flushes still reaches the loggers.
 """
 
 from __future__ import annotations
@@ -16,8 +18,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-#: Metrics summed over the boundaries held between two flushes; every other key keeps its latest value.
+#: Metrics summed over the boundaries held between two flushes.
 SUMMED = frozenset({"ckguard/non_finite_steps", "ckguard/skipped_steps"})
+#: Metrics whose name ends so keep the largest value held between two flushes (a spike gate's window maxima); every
+#: key neither summed nor a window maximum keeps its latest value.
+LARGEST_SUFFIX = "_window_max"
+
+
+def combined(key: str, held: float | None, value: float) -> float:
+    """What ``key`` holds once ``value`` joins ``held`` (None: nothing held since the last flush)."""
+    if held is None:
+        return value
+    if key in SUMMED:
+        return held + value
+    if key.endswith(LARGEST_SUFFIX):
+        return max(held, value)
+    return value
 
 
 class HeldMetrics:
@@ -56,7 +72,7 @@ class HeldMetrics:
     def hold(self, values: Mapping[str, float]) -> None:
         """Hold ``values`` for the next flush (see the module docstring for how held values combine)."""
         for key, value in values.items():
-            self._pending[key] = self._pending.get(key, 0.0) + value if key in SUMMED else value
+            self._pending[key] = combined(key, self._pending.get(key), value)
 
     def flush_remaining(self) -> None:
         """Log what no flush carried, in one call (the end of a fit); nothing if nothing is held."""
@@ -98,4 +114,4 @@ def flush_held_metrics(trainer: Any, uninstall: bool = False) -> None:
         held.uninstall()
 
 
-__all__ = ["SUMMED", "HeldMetrics", "flush_held_metrics", "hold_metrics"]
+__all__ = ["LARGEST_SUFFIX", "SUMMED", "HeldMetrics", "combined", "flush_held_metrics", "hold_metrics"]

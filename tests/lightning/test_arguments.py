@@ -1,12 +1,17 @@
 """Construction: the same arguments as ModelCheckpoint, clear ValueErrors for bad ones."""
 
 import inspect
+import os
 from datetime import timedelta
 
 import numpy as np
 import pytest
+import torch
+from conformance_helpers import ScriptedModel
+from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers import QUIET
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.publish.ledger import TRACKED_ATTRIBUTES
 
@@ -55,15 +60,26 @@ def test_ledger_tracks_every_piece_of_model_checkpoint_state():
         (dict(save_top_k=True), "save_top_k"),
         (dict(every_n_train_steps=2.5), "every_n_train_steps"),
         (dict(every_n_epochs="1"), "every_n_epochs"),
+        (dict(every_n_epochs=float("inf")), "every_n_epochs"),
+        (dict(save_top_k=-1.5), "save_top_k"),
         (dict(train_time_interval=60), "train_time_interval"),
         (dict(save_last="always"), "save_last"),
+        (dict(save_last=2), "save_last"),
         (dict(monitor=3), "monitor"),
         (dict(filename=b"x"), "filename"),
         (dict(dirpath=5), "dirpath"),
         (dict(mode=1), "mode"),
-        (dict(verbose=1), "verbose"),
+        (dict(verbose=2), "verbose"),
+        (dict(save_weights_only=np.int64(-1)), "save_weights_only"),
         (dict(save_on_train_epoch_end="no"), "save_on_train_epoch_end"),
+        (dict(save_on_train_epoch_end=2), "save_on_train_epoch_end"),
         (dict(enable_version_counter=None), "enable_version_counter"),
+        # the guard's own options stay strict
+        (dict(count_skipped_steps=1), "count_skipped_steps"),
+        (dict(durable=np.True_), "durable"),
+        (dict(on_non_finite="rewind", max_rewinds=2.0), "max_rewinds"),
+        (dict(on_non_finite="rewind", save_weights_only=1), "on_non_finite='rewind'"),
+        (dict(on_non_finite="rewind", save_weights_only=np.True_), "on_non_finite='rewind'"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, argument):
@@ -90,3 +106,41 @@ def test_numpy_integers_are_taken_as_model_checkpoint_takes_them(tmp_path):
     assert FiniteGradCheckpoint(on_non_finite="rewind", max_rewinds=np.int64(3)).max_rewinds == 3
     with pytest.raises(ValueError, match="`save_top_k`"):
         FiniteGradCheckpoint(save_top_k=np.bool_(True))
+
+
+def test_a_numpy_bool_is_named_as_numpy_s_in_the_error():
+    with pytest.raises(ValueError, match=r"`count_skipped_steps` must be a bool, got np.True_ \(numpy.bool_?\)"):
+        FiniteGradCheckpoint(count_skipped_steps=np.True_)
+
+
+VAL = [3.0, 1.0, 2.0, 0.5, 4.0, 0.25, 1.5, 0.75]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(verbose=1, save_last=1, save_weights_only=0, monitor="val_loss", save_top_k=2),
+        dict(verbose=np.True_, save_last=np.True_, enable_version_counter=np.True_, monitor="val_loss"),
+        dict(save_last=0, save_weights_only=1, auto_insert_metric_name=0, save_on_exception=np.False_, save_top_k=-1),
+        dict(save_on_train_epoch_end=0, monitor="val_loss", save_last="link"),
+        dict(every_n_epochs=2.0, save_top_k=-1.0),
+        dict(every_n_train_steps=3.0, save_top_k=np.float64(2.0), monitor="val_loss"),
+    ],
+    ids=["ints-as-flags", "numpy-bools", "ints-weights-only", "int-epoch-end", "float-epochs", "float-steps"],
+)
+def test_values_model_checkpoint_fits_with_are_taken_and_fit_alike(tmp_path, kwargs):
+    # 0/1 and numpy bools for its flags, integral floats for its counts: a config file or a sweep yields them
+    published = {}
+    for cls in (ModelCheckpoint, FiniteGradCheckpoint):
+        root = tmp_path / cls.__name__
+        seed_everything(0)
+        callback = cls(dirpath=root, **kwargs)
+        trainer = Trainer(callbacks=[callback], max_epochs=4, limit_train_batches=4, limit_val_batches=2,
+                          num_sanity_val_steps=0, **QUIET)
+        trainer.fit(ScriptedModel(val_values=VAL))
+        files = sorted(os.listdir(root))
+        weights_only = ["optimizer_states" not in torch.load(root / name, weights_only=False) for name in files]
+        links = {name: os.readlink(root / name) for name in files if os.path.islink(root / name)}
+        published[cls] = files, weights_only, links, os.path.basename(callback.best_model_path)
+    assert published[FiniteGradCheckpoint] == published[ModelCheckpoint]
+    assert published[ModelCheckpoint][0], "the case must publish something"
