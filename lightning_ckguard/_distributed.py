@@ -40,13 +40,35 @@ def is_rank_zero(collective: Any) -> bool:
 
 def require_collective(collective: Any) -> None:
     """Refuse, with a ``ValueError``, what is not a Lightning/Fabric strategy, a process group's collectives, a
-    ``torch.distributed`` process group or ``None``: anything else would silently agree as a single process."""
-    if collective is None or isinstance(collective, dist.ProcessGroup) or hasattr(collective, "world_size"):
+    ``torch.distributed`` process group or ``None``: anything else would silently agree as a single process. The
+    ``Fabric`` object (or a Trainer) is refused too, naming its ``.strategy``: it has a ``world_size`` and agrees, but
+    writes through no strategy of its own (under FSDP2 the publisher would save only rank 0's shard)."""
+    if collective is None or isinstance(collective, dist.ProcessGroup):
+        return
+    if _holds_a_strategy(collective):
+        owner = "fabric" if _is_fabric(collective) else type(collective).__name__.lower()
+        raise ValueError(
+            f"`collective` must be a Lightning/Fabric strategy, a torch.distributed ProcessGroup or None, got the "
+            f"{type(collective).__name__} object itself: pass its strategy, `{owner}.strategy`."
+        )
+    if hasattr(collective, "world_size"):
         return
     raise ValueError(
         f"`collective` must be a Lightning/Fabric strategy, a torch.distributed ProcessGroup or None, "
         f"got {type(collective).__name__}."
     )
+
+
+def _is_fabric(collective: Any) -> bool:
+    return any(cls.__name__ == "Fabric" for cls in type(collective).__mro__)
+
+
+def _holds_a_strategy(collective: Any) -> bool:
+    """Whether ``collective`` is a ``Fabric`` object (or anything holding a strategy: a Trainer), not a strategy."""
+    if _is_fabric(collective):
+        return True
+    strategy = getattr(type(collective), "strategy", None)  # the class's: a strategy has none, a Fabric a property
+    return isinstance(strategy, property) and hasattr(getattr(collective, "strategy", None), "world_size")
 
 
 def default_collective(collective: Any) -> Any:
@@ -168,6 +190,31 @@ def every_rank_arrives(name: str, timeout: timedelta) -> bool:
     return True
 
 
+def write_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a checkpoint write (or load) may fail with, held and agreed on instead of raised alone: every
+    ``Exception``, and ``torch.distributed.checkpoint``'s ``CheckpointException``, a ``BaseException`` (an FSDP2
+    distributed-checkpoint save or load that failed on some rank). That module is only looked up once imported: a
+    distributed checkpoint that ran imported it, and one that never ran cannot have raised (nor may it exist)."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    dcp_error = getattr(api, "CheckpointException", None)
+    return (Exception,) if dcp_error is None else (Exception, dcp_error)
+
+
+def own_write_failure(error: BaseException) -> BaseException | None:
+    """What of a write's ``error`` (one of :func:`write_errors`) is this rank's own failure, to hold for the agreement.
+    A distributed checkpoint's ``CheckpointException`` reaches every rank and names the ranks whose part failed: a
+    rank among them holds its own original error (a full disk's ``OSError``), one whose part was written holds
+    nothing (it learns of the others in the agreement, and raises ``CheckpointWriteError``). Any other is its own."""
+    failures = getattr(error, "failures", None) if not isinstance(error, Exception) else None
+    if not isinstance(failures, dict):
+        return error
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0  # the default group's, as DCP's
+    if rank not in failures:
+        return None
+    own = failures[rank][0] if isinstance(failures[rank], tuple) and failures[rank] else None
+    return own if isinstance(own, BaseException) else error
+
+
 def describe_error(error: BaseException) -> str:
     """``"TypeName: message"``: how one rank's error is told to the others."""
     return f"{type(error).__name__}: {error}"
@@ -258,7 +305,9 @@ __all__ = [
     "failures_from",
     "rank_and_world",
     "reduce_ints",
+    "own_write_failure",
     "require_collective",
+    "write_errors",
     "is_deepspeed_strategy",
     "is_multiprocess",
     "is_rank_zero",

@@ -41,7 +41,14 @@ import torch.distributed as dist
 from fsspec.core import split_protocol
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 
-from lightning_ckguard._distributed import broadcast_in_group, default_collective, is_rank_zero, require_collective
+from lightning_ckguard._distributed import (
+    broadcast_in_group,
+    default_collective,
+    is_rank_zero,
+    own_write_failure,
+    require_collective,
+    write_errors,
+)
 from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.durability import durability
@@ -97,7 +104,8 @@ class CheckpointPublisher:
             ``dirpath``: the data flushed before the rename, the directory after it); ``False`` for scratch storage.
 
     Raises:
-        ValueError: If ``collective`` is none of these, ``dirpath`` is not a path or URL, ``guard`` is not a
+        ValueError: If ``collective`` is none of these (the ``Fabric`` object itself is refused: pass
+            ``fabric.strategy``), ``dirpath`` is not a path or URL, ``guard`` is not a
             ``GradientGuard``, ``durable`` is not a bool, or ``dirpath`` is on object storage and ``collective`` a
             strategy that writes through local paths.
     """
@@ -166,12 +174,18 @@ class CheckpointPublisher:
         Raises:
             ValueError: If ``name`` is not a plain file or directory name inside ``dirpath`` (a ``str`` or an
                 ``os.PathLike``), or is shaped like the publisher's own hidden staging and retired entries (which
-                the next publisher's recovery would remove).
+                the next publisher's recovery would remove), or ``state`` is not a ``dict``; nothing was agreed or
+                written.
             NonFiniteGradientError: On every rank, when the guard rejects; nothing was written.
+            StateCheckError: On every rank, when checking ``state`` raised on some rank (a tensor on the meta
+                device, say); nothing was written.
             CheckpointWriteError: On the ranks whose own part succeeded, when another rank's write failed (that rank
                 raises its own error); no partial checkpoint is left under ``name`` or its staging sibling.
         """
         name = _checked_name(name)
+        if not isinstance(state, dict):  # the same code on every rank: no rank goes on alone
+            raise ValueError(f"`state` must be a dict of what to save (modules, optimizers, values), got "
+                             f"{type(state).__name__}.")
         verdict = None
         if self.guard is not None:
             verdict = self.guard.agree(self.collective, global_step=global_step, state=state)
@@ -223,11 +237,11 @@ class CheckpointPublisher:
                           f"{error}", stacklevel=3)
 
     def _write_agreed(self, staging: str, flush: Flush, state: dict[str, Any], path: str) -> None:
-        failure: Exception | None = None
+        failure: BaseException | None = None
 
-        def hold(error: Exception) -> None:  # held: every rank learns of it in the agreement below
+        def hold(error: BaseException) -> None:  # held: every rank learns of it in the agreement below
             nonlocal failure
-            failure = failure or error
+            failure = failure or own_write_failure(error)
 
         try:
             # DeepSpeed's save ends in a barrier: a file write that failed on this rank is held inside it, so that
@@ -237,7 +251,7 @@ class CheckpointPublisher:
                 self._write(staging, state)
             if failure is None:
                 flush(staging)  # this rank's part, before the outcome is agreed: a failed flush is a failed write
-        except Exception as error:
+        except write_errors() as error:  # a distributed checkpoint's failure too (a BaseException)
             hold(error)
         agree_on_write(self.collective, failure, path)
 

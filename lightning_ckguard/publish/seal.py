@@ -16,9 +16,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from lightning_ckguard._distributed import Failures, agree_on_failure, is_deepspeed_strategy
+from lightning_ckguard._distributed import (
+    Failures,
+    agree_on_failure,
+    is_deepspeed_strategy,
+    own_write_failure,
+    write_errors,
+)
 from lightning_ckguard.errors import CheckpointWriteError
-from lightning_ckguard.publish.staging import published_path
+from lightning_ckguard.publish.staging import published_path, writes_directories
 from lightning_ckguard.publish.transaction import WriteRefused, active_transaction
 
 #: The actions of the seal call under way, to run once its write succeeded on every rank (:meth:`after_write`).
@@ -85,12 +91,20 @@ class PublicationSeal:
 
     @staticmethod
     def writes_through_lightning(trainer: Any) -> bool:
-        """Whether ``trainer``'s writes go through Lightning's own ``Trainer.save_checkpoint`` (not a method the user
-        replaced), sealed or not, so that the file lands at exactly the path it is given."""
+        """Whether ``trainer``'s writes go through Lightning's own ``Trainer.save_checkpoint`` and its strategy's own
+        ``save_checkpoint``, sealed or not, so that the file lands at exactly the path it is given. Not when the user
+        replaced the method on the Trainer, overrode it in a Trainer subclass, or overrode the strategy's in a strategy
+        subclass of their own (a sidecar file, an upload, a log line naming the path): that code gets the real name,
+        as under ``ModelCheckpoint``. Lightning's own strategies override it (DeepSpeed, FSDP, model parallel) and
+        stay staged, as does any strategy that writes directories: every rank fills one, and only a staged directory
+        is published whole."""
         attribute = vars(trainer).get("save_checkpoint", _ABSENT)
         if isinstance(attribute, PublicationSeal):
             attribute = attribute._replaced_method
-        return attribute is _ABSENT
+        if attribute is not _ABSENT or not _defined_by_lightning(trainer, "save_checkpoint"):
+            return False
+        strategy = getattr(trainer, "strategy", None)
+        return _defined_by_lightning(strategy, "save_checkpoint") or writes_directories(strategy)
 
     @staticmethod
     def after_write(action: Callable[[], None]) -> None:
@@ -127,12 +141,12 @@ class PublicationSeal:
         failed, and raises.
         """
         strategy = self._trainer.strategy
-        failure: Exception | None = None
+        failure: BaseException | None = None
         write = strategy.save_checkpoint
 
-        def hold(error: Exception) -> None:
+        def hold(error: BaseException) -> None:
             nonlocal failure
-            failure = failure or error
+            failure = failure or own_write_failure(error)
 
         def write_holding_failure(*args: Any, **kwargs: Any) -> None:
             try:
@@ -140,7 +154,7 @@ class PublicationSeal:
                     write(*args, **kwargs)
                 if failure is None:
                     self._flush(str(filepath))  # a flush that fails is a failed write, agreed below
-            except Exception as error:
+            except write_errors() as error:  # a distributed checkpoint's failure too (a BaseException)
                 hold(error)
 
         barrier = strategy.barrier
@@ -179,7 +193,7 @@ def save_flushed(trainer: Any, filepath: str, flush: Callable[[str], None], *arg
 
 
 @contextmanager
-def _file_writes_holding_failures(strategy: Any, hold: Callable[[Exception], None]) -> Iterator[None]:
+def _file_writes_holding_failures(strategy: Any, hold: Callable[[BaseException], None]) -> Iterator[None]:
     """Under DeepSpeed, make a failed file write held instead of raised, for the duration of one save.
 
     DeepSpeed's ``engine.save_checkpoint`` runs collectives after each rank has written its files (it ends with a
@@ -197,7 +211,7 @@ def _file_writes_holding_failures(strategy: Any, hold: Callable[[Exception], Non
     def save_holding_failure(*args: Any, **kwargs: Any) -> Any:
         try:
             return save(*args, **kwargs)
-        except Exception as error:
+        except write_errors() as error:
             hold(error)
             return None
 
@@ -222,11 +236,23 @@ def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 _ABSENT = object()
 
+#: The top-level packages whose own classes' ``save_checkpoint`` writes exactly the path it is given.
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def _defined_by_lightning(owner: Any, name: str) -> bool:
+    """Whether the method ``name`` that ``owner``'s class has comes from a class of a Lightning package (or from
+    none: nothing overrides it, a test double), not from a subclass the user wrote."""
+    for cls in type(owner).__mro__:
+        if name in vars(cls):
+            return str(cls.__module__).split(".")[0] in _LIGHTNING_PACKAGES
+    return True
+
 #: The name ``Trainer.save_checkpoint`` gives the barrier it ends with (Lightning 2.5 and 2.6).
 _POST_SAVE_BARRIER = "Trainer.save_checkpoint"
 
 
-def agree_on_write(strategy: Any, failure: Exception | None, filepath: str,
+def agree_on_write(strategy: Any, failure: BaseException | None, filepath: str,
                    values: Sequence[int] = ()) -> tuple[int, ...]:
     """Raise on every rank if the write of ``filepath`` failed on any rank; no collective without peers. ``values``,
     a few integers every rank sends alike, ride along: returns the largest of each over the ranks.

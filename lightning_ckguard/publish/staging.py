@@ -216,8 +216,23 @@ def keep_previous_file(filepath: str) -> bool:
 
 
 def restore_previous(filepath: str) -> None:
-    """Put back what :func:`keep_previous_file` kept of ``filepath``, in one ``os.replace`` (rank 0 only)."""
-    os.replace(_retired_path(filepath), filepath)
+    """Put back what :func:`keep_previous_file` kept of ``filepath``, in one ``os.replace`` (rank 0 only). Where
+    ``filepath`` still is that file (its replacement failed), the retired name is only removed: a rename between two
+    names of one file does nothing (POSIX), and would leave the retired name behind."""
+    retired = _retired_path(filepath)
+    if _same_entry(retired, filepath):
+        os.remove(retired)
+        return
+    os.replace(retired, filepath)
+
+
+def _same_entry(first: str, second: str) -> bool:
+    """Whether ``first`` and ``second`` are two names of one file or link (links not followed)."""
+    try:
+        one, other = os.lstat(first), os.lstat(second)
+    except FileNotFoundError:
+        return False
+    return (one.st_ino, one.st_dev) == (other.st_ino, other.st_dev)
 
 
 def release_retired(filepath: str) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_ckguard._distributed import agree_on_failure, broadcast_value
+from lightning_ckguard._distributed import agree_on_failure, broadcast_value, write_errors
 from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.errors import CheckpointRestoreError, RewindRefusedError, Spike, describe_spikes
 
@@ -152,7 +152,7 @@ class RewindLog:
         failure: BaseException | None = None
         try:
             restore_trainer_state(trainer, path)
-        except Exception as error:  # every rank must hear of it, or the others would train on alone
+        except write_errors() as error:  # every rank must hear of it, or the others would train on alone
             failure = error
         failed = agree_on_failure(strategy, failure)
         if failed.ranks:
@@ -353,7 +353,8 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
     failure: BaseException | None = None
     try:
         remainder = fabric.load(path, state, strict=strict)
-    except Exception as error:  # every rank must hear of it, or the others would wait in their next collective
+    except write_errors() as error:  # every rank must hear of it (a distributed checkpoint's BaseException too), or
+        # the others would wait in their next collective
         failure = error
         fabric.barrier()  # where the others' `fabric.load` ends (a load fails before it: reading the file)
     failed = agree_on_failure(fabric.strategy, failure)

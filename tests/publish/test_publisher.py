@@ -281,3 +281,77 @@ def test_a_fabric_checkpoint_io_whose_write_fails_leaves_nothing_under_a_new_nam
     with pytest.raises(ConnectionError, match="refused"):
         publisher.save("step=2.ckpt", {"model": model, "step": 2})
     assert sorted(os.listdir(tmp_path)) == ["step=1.ckpt", "step=1.ckpt.json"]
+
+
+def test_the_fabric_object_instead_of_its_strategy_is_a_value_error_naming_fabric_strategy(tmp_path):
+    """``fabric`` has a world size but saves through no strategy of its own: under FSDP2 the publisher would write
+    rank 0's shard only. It is refused, by the publisher and the guard alike, before anything is made."""
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = fabric.setup(_model())
+    with pytest.raises(ValueError, match=r"`fabric\.strategy`"):
+        CheckpointPublisher(fabric, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"`fabric\.strategy`"):
+        GradientGuard(model).agree(fabric)
+    assert not (tmp_path / "ckpt").exists()
+    CheckpointPublisher(fabric.strategy, tmp_path / "ckpt").save("step=1.ckpt", {"model": model})  # the strategy
+    assert os.listdir(tmp_path / "ckpt") == ["step=1.ckpt"]
+
+
+@pytest.mark.parametrize("state", [None, [("step", 1)], "model"], ids=["None", "list", "str"])
+def test_a_state_that_is_no_dict_is_a_value_error_at_the_call_and_writes_nothing(tmp_path, state):
+    model = _model()
+    guard = GradientGuard(model)
+    publisher = CheckpointPublisher(None, tmp_path, guard=guard)
+    model(torch.randn(3, 4)).sum().backward()
+    guard.record()
+    with pytest.raises(ValueError, match="`state` must be a dict"):
+        publisher.save("step=1.ckpt", state)
+    assert os.listdir(tmp_path) == []
+    assert guard.steps_recorded == 1 and publisher.last_verdict is None  # nothing agreed: the window stands
+
+
+def _distributed_checkpoint_failure(rank: int) -> BaseException:
+    """What ``torch.distributed.checkpoint`` raises on every rank when ``rank``'s part of a save or load failed: a
+    ``CheckpointException``, which is a ``BaseException``, carrying that rank's own error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.utils import _wrap_exception
+
+    try:
+        raise OSError(28, "No space left on device (injected)")
+    except OSError as error:
+        return CheckpointException("CheckpointException", {rank: _wrap_exception(error)})
+
+
+def test_a_distributed_checkpoint_failure_is_held_and_raised_as_this_ranks_own_error(tmp_path, monkeypatch):
+    """A distributed checkpoint's failure is held like any write error: the failing rank raises its own error (a
+    full disk), not the raw ``CheckpointException`` that ``except Exception`` would not catch, and nothing is left."""
+    import lightning_ckguard.core.publisher as publisher_module
+
+    publisher = CheckpointPublisher(None, tmp_path)
+    publisher.save("last.ckpt", {"value": torch.tensor(1.0)})
+
+    def failing_save(state: Any, path: Any) -> None:
+        Path(path).write_bytes(b"part of it")
+        raise _distributed_checkpoint_failure(rank=0)
+
+    monkeypatch.setattr(publisher_module, "_atomic_save", failing_save)
+    with pytest.raises(OSError, match="No space left"):
+        publisher.save("last.ckpt", {"value": torch.tensor(2.0)})
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["value"] == 1.0
+
+
+def test_a_fabric_restore_whose_distributed_checkpoint_load_fails_raises_checkpoint_restore_error(tmp_path):
+    from lightning_ckguard import CheckpointRestoreError, restore_fabric_state
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = fabric.setup(_model())
+    CheckpointPublisher(fabric.strategy, tmp_path).save("good.ckpt", {"model": model})
+
+    def failing_load(*args: Any, **kwargs: Any) -> Any:
+        raise _distributed_checkpoint_failure(rank=0)
+
+    fabric.load = failing_load  # type: ignore[method-assign]
+    with pytest.raises(CheckpointRestoreError, match="No space left") as raised:
+        restore_fabric_state(fabric, str(tmp_path / "good.ckpt"), {"model": model})
+    assert list(raised.value.ranks) == [0]

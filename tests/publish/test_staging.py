@@ -391,3 +391,27 @@ def test_a_checkpoint_file_never_replaces_a_directory_it_did_not_write(tmp_path)
              enable_version_counter=False)
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
     assert os.listdir(users) == ["notes.txt"] and (users / "notes.txt").read_text() == "user data"
+
+
+def test_a_refused_move_over_a_published_file_puts_it_back_and_leaves_no_retired_name(tmp_path, monkeypatch):
+    """The file kept to be put back is a second name of the published one: once the move over it is refused, the
+    name still is that file, and only the hidden retired name goes (a rename between two names of one file does
+    nothing), not left beside the checkpoint for good."""
+    import lightning_ckguard.publish.writers as writers
+    from lightning_ckguard import CheckpointPublisher
+
+    publisher = CheckpointPublisher(None, tmp_path)
+    publisher.save("a.pt", {"value": torch.tensor(1.0)})
+
+    def refused(staging: str, filepath: str) -> None:
+        raise PermissionError(13, "Permission denied (injected)", filepath)
+
+    monkeypatch.setattr(writers, "move_into_place", refused)
+    with pytest.raises(PermissionError, match="injected"):
+        publisher.save("a.pt", {"value": torch.tensor(2.0)})
+    assert os.listdir(tmp_path) == ["a.pt"]
+    assert torch.load(tmp_path / "a.pt", weights_only=True)["value"] == 1.0
+    monkeypatch.undo()
+    publisher.save("a.pt", {"value": torch.tensor(3.0)})  # and the name is published again as before
+    assert os.listdir(tmp_path) == ["a.pt"]
+    assert torch.load(tmp_path / "a.pt", weights_only=True)["value"] == 3.0

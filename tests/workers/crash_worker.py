@@ -192,12 +192,20 @@ def crashing(base: type, switch: KillSwitch) -> Any:
     """A subclass of strategy class ``base`` that reports the start and end of each save to ``switch``."""
 
     class Crashing(base):  # type: ignore[misc, valid-type]
-        def save_checkpoint(self, checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
-            switch.save_starts(self.lightning_module.trainer.global_step)
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            # this rank's write is done: next comes the guard's write agreement, which stands in for Lightning's
-            # post-save barrier (plain ModelCheckpoint: that barrier itself, below)
-            switch.post_save_barrier()
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # wrapped on the instance, not overridden in the class: a strategy class's own `save_checkpoint` is a
+            # user's write, handed the real path (not staged), and this worker kills Lightning's staged write
+            own_save = self.save_checkpoint
+
+            def save_checkpoint(checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
+                switch.save_starts(self.lightning_module.trainer.global_step)
+                own_save(checkpoint, filepath, storage_options)
+                # this rank's write is done: next comes the guard's write agreement, which stands in for
+                # Lightning's post-save barrier (plain ModelCheckpoint: that barrier itself, below)
+                switch.post_save_barrier()
+
+            self.save_checkpoint = save_checkpoint
 
         def barrier(self, name: str | None = None) -> None:
             if name == "Trainer.save_checkpoint":
