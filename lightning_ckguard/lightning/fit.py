@@ -247,11 +247,12 @@ class GuardedFit:
             return
         if collected is None and is_multiprocess(self.trainer.strategy):
             return  # no verdict came with the vote, and taking one here would be a collective ModelCheckpoint lacks
-        verdict = collected[0] if collected is not None else guard.agree(self.trainer.strategy,
-                                                                         global_step=self.trainer.global_step)
+        if collected is None:  # one process: no collective (the writer's report rides along, as at a write)
+            collected = guard.agree_carrying(self.trainer.strategy, self.writer.report(),
+                                             global_step=self.trainer.global_step)
         guard.forget_unpublished_window()
-        if not verdict.accepted:
-            self._apply_verdict(verdict, boundary)
+        if not collected[0].accepted:
+            self._apply_agreed(boundary, *collected)  # an earlier write's failure raises first, the ledger back
             self._reject(during_exception=False)
 
     def _every_rank_handles_the_exception(self) -> bool:
@@ -334,12 +335,20 @@ class GuardedFit:
         write that failed on some rank raises here on every rank, the ledger back to what was published (while an
         exception is handled, a warning instead, and nothing is saved: the error being handled surfaces)."""
         verdict, carried = self._collected if self._collected is not None else self._collect([])
+        return self._apply_agreed(boundary, verdict, carried, during_exception)
+
+    def _apply_agreed(self, boundary: str, verdict: Verdict, carried: Sequence[int],
+                      during_exception: bool = False) -> bool:
+        """Apply an agreement: count and report its verdict, then settle the writer's report it carried (see
+        :meth:`_agree_at_boundary`). Returns whether the verdict accepts."""
         self._apply_verdict(verdict, boundary)
         failure = self.writer.settle(self.trainer.strategy, carried)
         if failure is not None:
             transaction = own_transaction(self.checkpoint)
             if failure.published is not None and transaction is not None:
                 transaction.roll_back_to(failure.published)
+            elif transaction is None:  # after a hook that wrote nothing: no transaction restores the ledger
+                self._roll_back(failure)
             if during_exception:
                 rank_zero_warn(f"FiniteGradCheckpoint: no checkpoint saved on this exception: an earlier checkpoint "
                                f"write failed ({type(failure.error).__name__}: {failure.error}); the checkpoint's "

@@ -59,6 +59,19 @@ def test_a_refused_move_is_raised_at_the_next_boundary_with_nothing_of_its_bound
     assert trainer.current_epoch == 2, "raised at the next boundary's agreement, not before"
 
 
+def test_a_refused_move_is_raised_first_at_a_boundary_that_writes_nothing_and_rejects(tmp_path):
+    # epoch 1's move of its top-1 file is refused; epoch 2's validation is no top-1 (nothing written) and its window
+    # holds a NaN (step 5): the held failure raises there, with the ledger back, before the rejection is applied
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
+    model = FaultyModel(fault_steps=[5], val_losses=[3.0, 2.0, 5.0], snapshot_steps=[3])
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], **QUIET, **EPOCHS)
+    fit_refusing_moves(trainer, model, "epoch=1", epoch=1)
+    before = model.snapshots[3]
+    assert ledger_state(callback) == before["state"], "the ledger still lists the file that was never put in place"
+    assert tree_digest(str(tmp_path)) == before["tree"]
+
+
 def test_a_refused_move_at_the_last_boundary_is_raised_at_train_end(tmp_path):
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
     model = FaultyModel(val_losses=[3.0, 2.0, 1.0], snapshot_steps=[5])  # step 5: before epoch 2's boundary
