@@ -323,7 +323,7 @@ class GuardedCheckpoint(_CheckpointBase):
         return PUBLIC_NAME + self.state_key[len("ModelCheckpoint"):] if own_name else super()._legacy_state_key
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "_fit": None}  # what only means something while a fit runs is not part of its value
+        return {**vars(self), "_fit": None, "_decisions": Decisions.kept_by_a_copy_of(self)}  # not the fit itself
 
     def state_dict(self) -> dict[str, Any]:
         """``ModelCheckpoint``'s state, plus the format version of this release and a spike gate's accepted history."""

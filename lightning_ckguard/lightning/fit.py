@@ -13,7 +13,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -80,6 +80,12 @@ class Decisions:
     # a publication that failed while an exception was handled, with peers (no collective was safe, and a rank
     # rolling back alone would leave the ranks' ledgers apart): its rollback, applied on every rank at the next setup
     pending_rollback: Ledger | None = None
+
+    @staticmethod
+    def kept_by_a_copy_of(checkpoint: Any) -> Decisions:
+        """``checkpoint``'s decisions as a copy of it keeps them (pickled, deep-copied): with the running fit's spike
+        history, since the fit itself is not kept."""
+        return replace(checkpoint._decisions, spike_history=guard_state(checkpoint).get("spike_history"))
 
     @property
     def rewinds(self) -> tuple[Rewind, ...]:
@@ -243,14 +249,17 @@ class GuardedFit:
         it is taken here on the gradients and the spike gate (the state is checked with a write): one small host
         read, where ``ModelCheckpoint``'s own ranking reads the monitored value."""
         guard = self.guard
-        if guard is None or vote is None or vote.missing_ranks or vote.missing_everywhere:
+        if guard is None:
             return
+        guard.forget_unpublished_window()  # what the vote's agreement accepted, no write published
+        if vote is None or vote.missing_ranks or vote.missing_everywhere or self.checkpoint.save_top_k == 0:
+            return  # nothing was ranked (with `save_top_k=0` ModelCheckpoint never ranks)
         if collected is None and is_multiprocess(self.trainer.strategy):
             return  # no verdict came with the vote, and taking one here would be a collective ModelCheckpoint lacks
         if collected is None:  # one process: no collective (the writer's report rides along, as at a write)
             collected = guard.agree_carrying(self.trainer.strategy, self.writer.report(),
                                              global_step=self.trainer.global_step)
-        guard.forget_unpublished_window()
+            guard.forget_unpublished_window()
         if not collected[0].accepted:
             self._apply_agreed(boundary, *collected)  # an earlier write's failure raises first, the ledger back
             self._reject(during_exception=False)
@@ -518,6 +527,7 @@ class GuardedFit:
             else:
                 self._raise_write_failure(failure)
         finally:
+            self._keep_spike_history()  # an exception ends a fit without its teardown
             if self.decisions.rejection is None and self.trainer.is_global_zero:
                 # not after a rejection: that changes nothing on disk (the next fit's recovery removes them)
                 self.storage.release_all_retired(_dirpath(self.checkpoint))
@@ -535,10 +545,14 @@ class GuardedFit:
                            f"from this process any more.")
         if self.decisions.rejection is None:
             PublicationSeal.uninstall(self.trainer, self.checkpoint)
-        if self.guard is not None and self.guard.spike_gate is not None:  # for the callback's state and a next fit
-            self.decisions.spike_history = self.guard.state_dict().get("spike_history")
+        self._keep_spike_history()
         self.writer.release()
         flush_held_metrics(self.trainer, uninstall=True)  # what a fit without a train end (validate) still holds
+
+    def _keep_spike_history(self) -> None:
+        """The spike gate's history as the fit leaves it, for the callback's state and a next fit."""
+        if self.guard is not None and self.guard.spike_gate is not None:
+            self.decisions.spike_history = self.guard.state_dict().get("spike_history")
 
     def _raise_write_failure(self, failure: WriteFailure | None) -> None:
         if failure is not None:

@@ -96,15 +96,17 @@ class PublicationSeal:
         replaced the method on the Trainer, overrode it in a Trainer subclass, or overrode the strategy's in a strategy
         subclass of their own (a sidecar file, an upload, a log line naming the path): that code gets the real name,
         as under ``ModelCheckpoint``. Lightning's own strategies override it (DeepSpeed, FSDP, model parallel) and
-        stay staged, as does any strategy that writes directories: every rank fills one, and only a staged directory
-        is published whole."""
+        stay staged, as does any strategy that writes directories, whoever overrides what (a Trainer subclass too):
+        every rank fills one, and only a staged directory is published whole."""
         attribute = vars(trainer).get("save_checkpoint", _ABSENT)
         if isinstance(attribute, PublicationSeal):
             attribute = attribute._replaced_method
-        if attribute is not _ABSENT or not _defined_by_lightning(trainer, "save_checkpoint"):
+        if attribute is not _ABSENT:  # replaced on the instance (a test double that may write nothing)
             return False
         strategy = getattr(trainer, "strategy", None)
-        return _defined_by_lightning(strategy, "save_checkpoint") or writes_directories(strategy)
+        if writes_directories(strategy):  # staged whatever overrides it: only a staged directory is published whole
+            return True
+        return _defined_by_lightning(trainer, "save_checkpoint") and _defined_by_lightning(strategy, "save_checkpoint")
 
     @staticmethod
     def after_write(action: Callable[[], None]) -> None:

@@ -121,6 +121,13 @@ def test_a_boundary_that_writes_nothing_applies_the_rejection_of_a_fault_before_
         assert trainer.global_step == 6
 
 
+def test_with_save_top_k_0_nothing_is_ranked_so_no_boundary_judges(tmp_path):
+    # ModelCheckpoint asks for the monitored value at every validation but never ranks it: no boundary, no policy
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=0)
+    trainer = fit(callback, EPOCHS, fault_steps=[4])
+    assert callback.rejection is None and trainer.global_step == 12 and os.listdir(tmp_path) == []
+
+
 def test_rejection_of_top_k_plus_link_changes_nothing(tmp_path):
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last="link")
     model = FaultyModel(fault_steps=[7], val_losses=[3.0, 2.0, 1.0, 0.5])

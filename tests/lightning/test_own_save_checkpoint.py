@@ -119,6 +119,19 @@ def test_only_a_save_checkpoint_of_the_users_own_class_turns_staging_off(strateg
     assert PublicationSeal.writes_through_lightning(_TrainerOf(strategy)) is staged
 
 
+class _UploadingTrainerOf(_TrainerOf):
+    def save_checkpoint(self, filepath: Any, weights_only: bool = False, storage_options: Any = None) -> None:
+        """A Trainer subclass's own save (an upload after it, say)."""
+
+
+@pytest.mark.parametrize(("strategy", "staged"),
+                         [(DDPStrategy(), False), (FSDPStrategy(state_dict_type="sharded"), True)],
+                         ids=["files", "directories"])
+def test_a_trainer_subclass_of_its_own_writes_directories_staged_all_the_same(strategy, staged):
+    # only a staged directory is published whole: a strategy that writes directories stays staged whoever overrides
+    assert PublicationSeal.writes_through_lightning(_UploadingTrainerOf(strategy)) is staged
+
+
 def test_a_distributed_checkpoint_failure_in_a_fit_raises_the_write_error_itself(tmp_path):
     """``torch.distributed.checkpoint``'s ``CheckpointException`` is a ``BaseException``: held like any write error,
     the fit raises this rank's own error (a full disk), and the failed checkpoint is not published."""

@@ -8,6 +8,7 @@ bad batch ends; the loss of an accumulated step is what Lightning counts; the ``
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from typing import Any
 
@@ -278,3 +279,30 @@ def test_the_gates_history_outlives_its_fit_in_the_callbacks_state_and_in_a_next
     trainer = Trainer(max_steps=1, limit_val_batches=0, callbacks=[callback], **QUIET)
     with pytest.warns(UserWarning, match="the loss spiked at step 0"):
         trainer.fit(Regression([(x, y * 1e3) for x, y in batches(40, bad=None)]))
+
+
+class PickleThenRaise(Callback):
+    """At global step 12: a copy of the guarded callback (pickled while its fit runs); then an exception ends it."""
+
+    def __init__(self, guarded: FiniteGradCheckpoint) -> None:
+        self.guarded, self.copy = guarded, b""
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == 12:
+            self.copy = pickle.dumps(self.guarded)
+            raise RuntimeError("boom")
+
+
+def test_the_gates_history_outlives_a_fit_an_exception_ended_and_travels_with_a_copy(tmp_path):
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1,
+                                    spike_gate=GATE, on_non_finite="skip")
+    interrupt = PickleThenRaise(callback)
+    with pytest.raises(RuntimeError, match="boom"):  # Lightning runs no teardown hook after an exception
+        Trainer(max_steps=30, limit_val_batches=0, callbacks=[interrupt, callback], **QUIET).fit(
+            Regression(batches(40, bad=None)))
+    for guarded in (callback, pickle.loads(interrupt.copy)):  # each keeps the baseline for its next fit
+        seed_everything(0)
+        trainer = Trainer(max_steps=1, limit_val_batches=0, callbacks=[guarded], **QUIET)
+        with pytest.warns(UserWarning, match="the loss spiked at step 0"):
+            trainer.fit(Regression([(x, y * 1e3) for x, y in batches(40, bad=None)]))
