@@ -146,7 +146,9 @@ class CheckpointPublisher:
         made = self._make_dirpath(storage.fs)
         # rank 0 recovers what a crash left; no rank writes before that (the one collective here, which also tells
         # every rank of a failure of rank 0's, so that none raises alone)
-        storage.prepare(collective, self.dirpath, lambda: made, lambda message: warnings.warn(message, stacklevel=3))
+        # its names never lie in a subdirectory: what another writer left in one is not its own to recover
+        storage.prepare(collective, self.dirpath, lambda: made, lambda message: warnings.warn(message, stacklevel=3),
+                        owner="CheckpointPublisher", subdirectories=False)
 
     def _make_dirpath(self, fs: Any) -> Exception | None:
         """Rank 0 creates ``dirpath``; its failure is returned, for every rank to raise in the agreement after it."""

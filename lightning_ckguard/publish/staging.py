@@ -258,17 +258,17 @@ def _is_hidden_entry(name: str) -> bool:
     return any(_hidden_for(name, suffix) is not None for suffix in (STAGING_SUFFIX, RETIRED_SUFFIX))
 
 
-def _hidden_entries(dirpath: str) -> Iterator[tuple[str, str]]:
+def _hidden_entries(dirpath: str, subdirectories: bool = True) -> Iterator[tuple[str, str]]:
     """``(directory, name)`` of every staging or retired entry under ``dirpath``, a directory's in name order.
 
     A ``filename`` with a ``/`` puts checkpoints, and so their hidden siblings, in subdirectories of ``dirpath``, so
     the whole tree is walked (nothing but directory listings: a checkpoint is never opened). Hidden entries are
     resolved whole, never entered; symbolic links are not followed (what they point to is not this fit's); a
     directory that vanishes meanwhile (another rank resolved it) is skipped. Lazy: a directory's entries are resolved
-    before the walk lists its subdirectories' contents."""
-    for directory, subdirectories, files in os.walk(dirpath):
-        yield from ((directory, name) for name in sorted(filter(_is_hidden_entry, [*subdirectories, *files])))
-        subdirectories[:] = [name for name in subdirectories if not _is_hidden_entry(name)]
+    before the walk lists its subdirectories' contents. ``subdirectories=False``: ``dirpath``'s own entries only."""
+    for directory, entered, files in os.walk(dirpath):
+        yield from ((directory, name) for name in sorted(filter(_is_hidden_entry, [*entered, *files])))
+        entered[:] = [name for name in entered if subdirectories and not _is_hidden_entry(name)]
 
 
 def make_link(target: str, linkpath: str) -> None:
@@ -310,9 +310,9 @@ def checkpoint_is_complete(path: str) -> bool:
     return head != b"PK\x03\x04" or zipfile.is_zipfile(path)
 
 
-def recover(dirpath: str) -> list[str]:
-    """Resolve what an interrupted publication left under ``dirpath`` (subdirectories included); return one line per
-    action, for a warning.
+def recover(dirpath: str, subdirectories: bool = True) -> list[str]:
+    """Resolve what an interrupted publication left under ``dirpath`` (its subdirectories too, unless
+    ``subdirectories=False``); return one line per action, for a warning.
 
     A staging entry was never published, or holds the checkpoint an exchange replaced: it is removed. A retired
     checkpoint whose replacement never arrived is restored under its name; one whose replacement did arrive is
@@ -322,7 +322,7 @@ def recover(dirpath: str) -> list[str]:
     starts): an entry another rank already resolved is skipped, so every rank ends up seeing the same directory.
     """
     actions: list[str] = []
-    for directory, name in _hidden_entries(dirpath):
+    for directory, name in _hidden_entries(dirpath, subdirectories):
         path = os.path.join(directory, name)
         retired_from = _hidden_for(name, RETIRED_SUFFIX)
         try:

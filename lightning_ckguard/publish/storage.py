@@ -79,18 +79,21 @@ class LocalStorage:
         """Every strategy writes to local disk."""
 
     def prepare(self, strategy: Any, dirpath: str | None, writable_error: Callable[[], Exception | None],
-                warn: Callable[[str], None], carried: Sequence[int] = ()) -> tuple[int, ...] | None:
+                warn: Callable[[str], None], carried: Sequence[int] = (), owner: str = "FiniteGradCheckpoint",
+                subdirectories: bool = True) -> tuple[int, ...] | None:
         """At setup, on every rank: rank 0 recovers what a crash left; every rank checks that it can write (agreed,
         so it is also the barrier after the recovery: no rank restores before the files are back). ``carried`` rides
-        in that agreement: returns the largest of each over the ranks; None where nothing is prepared (a barrier)."""
+        in that agreement: returns the largest of each over the ranks; None where nothing is prepared (a barrier).
+        ``owner`` names who recovers in the warnings; ``subdirectories=False``: only ``dirpath``'s own entries (a
+        writer whose names never lie in a subdirectory must not touch another's there)."""
         if dirpath is None:
             barrier(strategy, "FiniteGradCheckpoint.recover")
             return None
         failure: Exception | None = None
         if is_rank_zero(strategy):
             try:
-                for action in recover(dirpath):
-                    warn(f"FiniteGradCheckpoint {action}.")
+                for action in recover(dirpath, subdirectories):
+                    warn(f"{owner} {action}.")
             except Exception as error:  # raised on every rank by the agreement below, not on rank 0 alone
                 failure = error
         return agree_on_write(strategy, failure or writable_error(), dirpath, carried)
@@ -152,7 +155,8 @@ class ObjectStorage:
             raise unsupported
 
     def prepare(self, strategy: Any, dirpath: str | None, writable_error: Callable[[], Exception | None],
-                warn: Callable[[str], None], carried: Sequence[int] = ()) -> tuple[int, ...] | None:
+                warn: Callable[[str], None], carried: Sequence[int] = (), owner: str = "FiniteGradCheckpoint",
+                subdirectories: bool = True) -> tuple[int, ...] | None:
         """At setup, on every rank: nothing to recover; the barrier every kind runs here (nothing carried: None)."""
         barrier(strategy, "FiniteGradCheckpoint.recover")
         return None

@@ -355,3 +355,15 @@ def test_a_fabric_restore_whose_distributed_checkpoint_load_fails_raises_checkpo
     with pytest.raises(CheckpointRestoreError, match="No space left") as raised:
         restore_fabric_state(fabric, str(tmp_path / "good.ckpt"), {"model": model})
     assert list(raised.value.ranks) == [0]
+
+
+def test_the_recovery_at_construction_leaves_what_another_writer_left_in_a_subdirectory(tmp_path):
+    # a publisher's names never lie in a subdirectory: another job's in-flight entries there are not its own
+    (tmp_path / "other").mkdir()
+    theirs = [tmp_path / "other" / ".step=10.ckpt.ckguard-staging", tmp_path / "other" / ".last.ckpt.ckguard-retired"]
+    for path in [*theirs, tmp_path / ".a.pt.ckguard-staging"]:
+        path.write_bytes(b"partial")
+    with pytest.warns(UserWarning, match="CheckpointPublisher removed the unpublished partial checkpoint") as caught:
+        CheckpointPublisher(None, tmp_path)
+    assert all(path.exists() for path in theirs), "the recovery reached into a subdirectory"
+    assert not (tmp_path / ".a.pt.ckguard-staging").exists() and len(caught) == 1
