@@ -22,6 +22,7 @@ callback's own, for now); Fabric or plain ``torch.distributed`` code can use it 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from numbers import Integral, Real
 from typing import Any
 
 import torch
@@ -73,6 +74,9 @@ class GradientGuard:
             (:class:`~lightning_ckguard.SpikeGate`); off by default. Give each step's loss to :meth:`record` (or
             :meth:`record_loss`). The gate adds one all-reduce of a fixed size per agreement, and learns its baseline
             from the windows :meth:`reset` closes after an accepted agreement.
+
+    Raises:
+        ValueError: If an argument has the wrong type, or ``device`` is none this build of PyTorch can use.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class GradientGuard:
         if device is None:
             first = next(module.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
+        device = _checked_device(device)
         self.count_skipped_steps = count_skipped_steps
         self.source: GradientSource = source
         self.spike_gate = spike_gate
@@ -159,7 +164,12 @@ class GradientGuard:
         """Add a loss to the step under way, for a spike gate watching the loss (nothing without one): device-side,
         no host read. The losses given since the last :meth:`record` add up to the next one's (every micro-batch's
         of an accumulated step); a Lightning callback gives each backward's. ``scale``: what ``loss`` was multiplied
-        by (a loss scaler's scale), divided out on the device."""
+        by (a loss scaler's scale), divided out on the device.
+
+        Raises:
+            ValueError: If ``loss`` is neither a real number nor a tensor of one element.
+        """
+        _check_loss(loss)
         if self.window.step_values is not None:
             self.window.step_values.add_loss(loss if scale is None else loss / scale)
 
@@ -183,6 +193,9 @@ class GradientGuard:
         checked too, before the agreement, and a non-finite one rejects the boundary whatever ``count_skipped_steps``
         says; its name travels in the same collective (``verdict.non_finite_state``). Checking it reads one small
         flag vector to the host, as does reading this rank's own summary before the agreement.
+
+        Raises:
+            ValueError: If ``collective`` is none of the above, or ``global_step`` is not an int or None.
         """
         verdict, _ = self.agree_carrying(collective, (), global_step=global_step, state=state)
         return verdict
@@ -205,7 +218,9 @@ class GradientGuard:
         own = RankReport.from_summary(rank, summary)
         words = [*ballot(own, world_size, self.count_skipped_steps), *carry, *failure_words(collective, failure)]
         reduced = all_reduce_values(collective, torch.tensor(words, dtype=torch.int64, device=device)).tolist()
-        step = self._steps_seen if global_step is None else global_step
+        if global_step is not None and (isinstance(global_step, bool) or not isinstance(global_step, Integral)):
+            raise ValueError(f"`global_step` must be an int or None, got {global_step!r}.")
+        step = self._steps_seen if global_step is None else int(global_step)
         self._raise_failed_check(collective, reduced[TALLY_SIZE + len(carry):], failure, step)
         tally = Tally.from_words(reduced[:TALLY_SIZE], world_size)
         roll = RollCall()
@@ -305,6 +320,8 @@ class GradientGuard:
         Raises:
             ValueError: If the history is not a mapping of measures to lists of finite numbers.
         """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"`state` must be a mapping (what `state_dict` gave), got {type(state).__name__}.")
         history = state.get("spike_history")
         if history is not None and self._spike_history is not None:
             self._spike_history.load_state_dict(history)
@@ -328,6 +345,25 @@ def _skip_flag(skipped: Any) -> Tensor | bool | None:
         return bool(value)
     raise ValueError(f"`skipped` must be a bool, a 0-d bool tensor or None, got {skipped!r} "
                      f"({type(skipped).__name__}).")
+
+
+def _checked_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device``, or a ``ValueError`` naming the argument."""
+    try:
+        checked = torch.device(device)
+        torch.empty(0, device=checked)  # a device this build cannot use (an index without CUDA) fails here, once
+        return checked
+    except (RuntimeError, TypeError, AssertionError) as error:
+        raise ValueError(f"`device` must be a torch.device, a device string or index, got {device!r}.") from error
+
+
+def _check_loss(loss: Any) -> None:
+    """A loss is one number: a real number or a tensor of one element (read on the device, never here)."""
+    if isinstance(loss, Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"`loss` must hold one value, got a tensor of shape {tuple(loss.shape)}.")
+    elif isinstance(loss, bool) or not isinstance(loss, Real):
+        raise ValueError(f"`loss` must be a tensor of one element or a real number, got {loss!r}.")
 
 
 def _check_arguments(module: Any, count_skipped_steps: Any, source: Any, spike_gate: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 
-from lightning_ckguard import GradientGuard, scaler_skip_flag
+from lightning_ckguard import GradientGuard, SpikeGate, scaler_skip_flag
 
 
 def _verdict_of_a_nan_step(skipped: Any) -> bool:
@@ -87,3 +87,26 @@ def test_a_scaler_that_unscaled_the_wrapper_itself_is_still_read_from_it():
     scaler.unscale_(optimizer)
     flag = scaler_skip_flag(scaler, optimizer)
     assert flag is not None and bool(flag)
+
+
+@pytest.mark.parametrize("device", [5, "banana"])
+def test_a_device_this_build_cannot_use_is_a_value_error(device):
+    with pytest.raises(ValueError, match="`device` must be"):
+        GradientGuard(torch.nn.Linear(2, 1), device=device)
+
+
+@pytest.mark.parametrize("loss", [torch.ones(2), "x", None, True])
+def test_a_loss_that_is_not_one_number_is_a_value_error_with_or_without_a_gate(loss):
+    for gate in (None, SpikeGate()):
+        guard = GradientGuard(torch.nn.Linear(2, 1), spike_gate=gate)
+        with pytest.raises(ValueError, match="`loss` must"):
+            guard.record_loss(loss)
+
+
+def test_a_global_step_that_is_no_int_and_a_state_that_is_no_mapping_are_value_errors():
+    guard = GradientGuard(torch.nn.Linear(2, 1), spike_gate=SpikeGate())
+    with pytest.raises(ValueError, match="`global_step` must be an int"):
+        guard.agree(None, global_step="7")
+    assert guard.agree(None, global_step=7).global_step == 7
+    with pytest.raises(ValueError, match="`state` must be a mapping"):
+        guard.load_state_dict([1, 2])
