@@ -196,3 +196,12 @@ def test_the_gate_reads_negative_losses_as_they_are(worker_results):
     # from about -1.7 to 0.55 is no spike: the value is not 10 times the (negative) baseline
     assert all(step["accepted"] and not step["spikes"] for step in steps[0]), steps[0]
 
+
+
+def test_a_vote_that_finds_the_monitored_key_missing_teaches_the_gate_nothing(worker_results):
+    # each due boundary's vote is an agreement with peers: the window it accepted was never published, and is not
+    # learned (by the callback's state at the fit's end either)
+    for results in results_for("ddp", worker_results):
+        result = results["unlogged-monitor"]
+        assert result["error"] is None and result["entries"] == []
+        assert result["history"] == {"loss": 0, "grad_norm": 0}, result["history"]

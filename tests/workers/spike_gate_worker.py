@@ -279,6 +279,21 @@ def negative_loss(root: str) -> dict[str, Any]:
     return {"steps": steps}
 
 
+def unlogged_monitor(root: str) -> dict[str, Any]:
+    """A monitored key no rank ever logs: each due boundary's top-K vote (an agreement, with peers) finds it missing,
+    nothing is written, and no window is published, so the gate has learned nothing when the fit ends."""
+    seed_everything(7)
+    callback = FiniteGradCheckpoint(dirpath=os.path.join(root, "unlogged-monitor"), monitor="never_logged",
+                                    every_n_train_steps=2, spike_gate=gate())
+    trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[callback],
+                      max_steps=6, limit_val_batches=0, use_distributed_sampler=False, **QUIET)
+    result = fit_outcome(lambda: trainer.fit(Regression(list(range(STEPS)), spiked=False, fsdp2=False)))
+    result["history"] = {measure: len(values) for measure, values in
+                         callback.state_dict().get("spike_history", {}).items()}
+    result["entries"] = sorted(os.listdir(callback.dirpath)) if os.path.isdir(callback.dirpath) else []
+    return result
+
+
 def scenarios(kind: str) -> dict[str, Any]:
     everything = list(range(STEPS))
     without_spike = [i for i in everything if i != SPIKE_STEP]
@@ -292,6 +307,7 @@ def scenarios(kind: str) -> dict[str, Any]:
     }
     if kind == "ddp":
         table["negative-loss"] = negative_loss
+        table["unlogged-monitor"] = unlogged_monitor
     return table
 
 
