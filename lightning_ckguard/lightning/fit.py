@@ -293,7 +293,10 @@ class GuardedFit:
         if own_transaction(checkpoint) is not None and is_multiprocess(self.trainer.strategy):
             # without peers the vote is no collective: the agreement waits for a write, so as not to read state
             vote = local_vote(self.trainer.strategy, current is not None, improves)
-            verdict, carried = self._collect(vote)
+            # a rank whose key is missing makes every rank treat it as missing: no state is written, and no verdict
+            # judged, at this boundary, so that rank's pass over the state would be wasted (ModelCheckpoint defers
+            # such a boundary, as before a first validation, at no cost)
+            verdict, carried = self._collect(vote, check_state=current is not None)
             self._collected = (verdict, carried[len(vote):])  # the writer's report follows the vote
             self.vote = vote_of(carried[:len(vote)], self.trainer.world_size)
         else:
@@ -366,13 +369,15 @@ class GuardedFit:
             raise failure.error
         return verdict.accepted
 
-    def _collect(self, vote: Sequence[int]) -> tuple[Verdict, tuple[int, ...]]:
+    def _collect(self, vote: Sequence[int], check_state: bool = True) -> tuple[Verdict, tuple[int, ...]]:
         """Every rank joins the agreement (one collective: the vote and the writer's report ride in it); returns the
-        verdict and the carried integers, reduced, nothing applied yet."""
+        verdict and the carried integers, reduced, nothing applied yet. ``check_state=False``: this rank leaves the
+        state out (same collectives; see :meth:`take_vote`)."""
         if self.guard is None:  # not fitting: nothing was recorded, but every rank still meets here
             self.guard = self._new_guard()
         trainer = self.trainer
-        state = lightning_checkpoint_state(trainer)  # what this write will hold, checked in the same agreement
+        # what this write will hold, checked in the same agreement
+        state = lightning_checkpoint_state(trainer) if check_state else None
         return self.guard.agree_carrying(trainer.strategy, [*vote, *self.writer.report()],
                                          global_step=trainer.global_step, state=state)
 

@@ -205,3 +205,4 @@ def test_a_vote_that_finds_the_monitored_key_missing_teaches_the_gate_nothing(wo
         result = results["unlogged-monitor"]
         assert result["error"] is None and result["entries"] == []
         assert result["history"] == {"loss": 0, "grad_norm": 0}, result["history"]
+        assert result["state_checks"] == 0, "a pass over the state for a boundary that cannot write one"

@@ -281,13 +281,23 @@ def negative_loss(root: str) -> dict[str, Any]:
 
 def unlogged_monitor(root: str) -> dict[str, Any]:
     """A monitored key no rank ever logs: each due boundary's top-K vote (an agreement, with peers) finds it missing,
-    nothing is written, and no window is published, so the gate has learned nothing when the fit ends."""
+    nothing is written, and no window is published, so the gate has learned nothing when the fit ends; and no rank
+    checks its state for those votes (nothing with state is written)."""
+    import lightning_ckguard.lightning.fit as guarded_fit
+
     seed_everything(7)
+    checked: list[int] = []  # the state checks the fit ran (a pass over every parameter and optimizer state)
+    real_state = guarded_fit.lightning_checkpoint_state
+    guarded_fit.lightning_checkpoint_state = lambda trainer: (checked.append(1), real_state(trainer))[1]
     callback = FiniteGradCheckpoint(dirpath=os.path.join(root, "unlogged-monitor"), monitor="never_logged",
                                     every_n_train_steps=2, spike_gate=gate())
     trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[callback],
                       max_steps=6, limit_val_batches=0, use_distributed_sampler=False, **QUIET)
-    result = fit_outcome(lambda: trainer.fit(Regression(list(range(STEPS)), spiked=False, fsdp2=False)))
+    try:
+        result = fit_outcome(lambda: trainer.fit(Regression(list(range(STEPS)), spiked=False, fsdp2=False)))
+    finally:
+        guarded_fit.lightning_checkpoint_state = real_state
+    result["state_checks"] = len(checked)
     result["history"] = {measure: len(values) for measure, values in
                          callback.state_dict().get("spike_history", {}).items()}
     result["entries"] = sorted(os.listdir(callback.dirpath)) if os.path.isdir(callback.dirpath) else []
