@@ -354,7 +354,8 @@ def _checked_device(device: Any) -> torch.device:
         torch.empty(0, device=checked)  # a device this build cannot use (an index without CUDA) fails here, once
         return checked
     except (RuntimeError, TypeError, AssertionError) as error:
-        raise ValueError(f"`device` must be a torch.device, a device string or index, got {device!r}.") from error
+        raise ValueError(f"`device` must be a device this build of PyTorch can use (a torch.device, a device string or "
+                         f"index), got {device!r}: {error}") from error
 
 
 def _check_loss(loss: Any) -> None:

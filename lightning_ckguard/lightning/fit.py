@@ -293,12 +293,14 @@ class GuardedFit:
         if own_transaction(checkpoint) is not None and is_multiprocess(self.trainer.strategy):
             # without peers the vote is no collective: the agreement waits for a write, so as not to read state
             vote = local_vote(self.trainer.strategy, current is not None, improves)
-            # a rank whose key is missing makes every rank treat it as missing: no state is written, and no verdict
-            # judged, at this boundary, so that rank's pass over the state would be wasted (ModelCheckpoint defers
-            # such a boundary, as before a first validation, at no cost)
+            # a rank whose key is missing leaves its state out: this verdict is then not the one a write applies
+            # (below), and ModelCheckpoint defers such a step boundary (before a first validation) at no cost
             verdict, carried = self._collect(vote, check_state=current is not None)
-            self._collected = (verdict, carried[len(vote):])  # the writer's report follows the vote
             self.vote = vote_of(carried[:len(vote)], self.trainer.world_size)
+            # the writer's report follows the vote. Where the key is missing on some rank (every rank knows it alike)
+            # a write may still come (`last` at train end, a save on exception): it takes its own agreement, with
+            # every rank's state checked; nothing is judged without a write (`_judge_unwritten`)
+            self._collected = None if self.vote.missing_ranks else (verdict, carried[len(vote):])
         else:
             self.vote = agree_on_top_k(self.trainer.strategy, present=current is not None, improves=improves)
         self._voted_on = current

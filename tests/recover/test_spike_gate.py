@@ -206,3 +206,12 @@ def test_a_vote_that_finds_the_monitored_key_missing_teaches_the_gate_nothing(wo
         assert result["error"] is None and result["entries"] == []
         assert result["history"] == {"loss": 0, "grad_norm": 0}, result["history"]
         assert result["state_checks"] == 0, "a pass over the state for a boundary that cannot write one"
+
+
+def test_a_write_after_votes_that_found_the_key_missing_checks_every_ranks_state(worker_results):
+    # `last` at train end, after votes that left the state out: its own agreement checks the NaN buffer, on every rank
+    for results in results_for("ddp", worker_results):
+        result = results["unlogged-monitor-last"]
+        assert result["error_type"] == "NonFiniteGradientError", result["error"]
+        assert result["error"]["non_finite_state"], result["error"]
+        assert result["entries"] == []

@@ -304,6 +304,32 @@ def unlogged_monitor(root: str) -> dict[str, Any]:
     return result
 
 
+class BufferGoesNaN(Regression):
+    """Its gradients stay finite; a buffer of its state goes NaN at step 1 (a running statistic gone bad)."""
+
+    def __init__(self) -> None:
+        super().__init__(list(range(STEPS)), spiked=False, fsdp2=False)
+        self.register_buffer("stat", torch.zeros(3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.trainer.global_step == 1:
+            self.stat.fill_(float("nan"))
+        return super().training_step(batch, batch_idx)
+
+
+def unlogged_monitor_last(root: str) -> dict[str, Any]:
+    """The monitored key is never logged, `save_last=True`: train end still writes `last`, whose agreement must check
+    every rank's state (the votes before it left the state out)."""
+    seed_everything(7)
+    callback = FiniteGradCheckpoint(dirpath=os.path.join(root, "unlogged-monitor-last"), monitor="never_logged",
+                                    save_last=True)
+    trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[callback],
+                      max_steps=3, limit_val_batches=0, use_distributed_sampler=False, **QUIET)
+    result = fit_outcome(lambda: trainer.fit(BufferGoesNaN()))
+    result["entries"] = sorted(os.listdir(callback.dirpath)) if os.path.isdir(callback.dirpath) else []
+    return result
+
+
 def scenarios(kind: str) -> dict[str, Any]:
     everything = list(range(STEPS))
     without_spike = [i for i in everything if i != SPIKE_STEP]
@@ -318,6 +344,7 @@ def scenarios(kind: str) -> dict[str, Any]:
     if kind == "ddp":
         table["negative-loss"] = negative_loss
         table["unlogged-monitor"] = unlogged_monitor
+        table["unlogged-monitor-last"] = unlogged_monitor_last
     return table
 
 
