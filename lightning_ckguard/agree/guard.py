@@ -166,10 +166,13 @@ class GradientGuard:
         of an accumulated step); a Lightning callback gives each backward's. ``scale``: what ``loss`` was multiplied
         by (a loss scaler's scale), divided out on the device.
 
+        A DTensor loss replicated on its mesh (tensor parallelism's ``loss_parallel``) is read as its local copy.
+
         Raises:
-            ValueError: If ``loss`` is neither a real number nor a tensor of one element.
+            ValueError: If ``loss`` is neither a real number nor a tensor of one element, or is a DTensor that is not
+                replicated (its local part is not the loss; reading the whole would be a collective).
         """
-        _check_loss(loss)
+        loss = _local_loss(loss)
         if self.window.step_values is not None:
             self.window.step_values.add_loss(loss if scale is None else loss / scale)
 
@@ -356,6 +359,19 @@ def _checked_device(device: Any) -> torch.device:
     except (RuntimeError, TypeError, AssertionError) as error:
         raise ValueError(f"`device` must be a device this build of PyTorch can use (a torch.device, a device string or "
                          f"index), got {device!r}: {error}") from error
+
+
+def _local_loss(loss: Any) -> Tensor | float:
+    """``loss`` as one number this rank holds: a real number, a tensor of one element (read on the device, never
+    here), a replicated DTensor's local copy; else a ``ValueError``."""
+    placements = getattr(loss, "placements", None)
+    if isinstance(loss, Tensor) and placements is not None:  # a DTensor
+        if not all(placement.is_replicate() for placement in placements):
+            raise ValueError(f"`loss` must be replicated when it is a DTensor, got placements {tuple(placements)}: "
+                             "pass `loss.full_tensor()` (a collective) or the value every rank holds.")
+        loss = loss.to_local()  # type: ignore[attr-defined]
+    _check_loss(loss)
+    return loss  # type: ignore[no-any-return]
 
 
 def _check_loss(loss: Any) -> None:

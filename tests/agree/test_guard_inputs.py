@@ -110,3 +110,28 @@ def test_a_global_step_that_is_no_int_and_a_state_that_is_no_mapping_are_value_e
     assert guard.agree(None, global_step=7).global_step == 7
     with pytest.raises(ValueError, match="`state` must be a mapping"):
         guard.load_state_dict([1, 2])
+
+
+def test_a_replicated_dtensor_loss_is_read_as_its_local_copy_and_a_sharded_one_is_a_value_error():
+    """Tensor parallelism's ``loss_parallel`` gives a DTensor loss: replicated, its local copy is the loss (one rank's
+    mesh here, on a process group of its own made for the test and taken down after it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        module = torch.nn.Linear(2, 1)
+        guard = GradientGuard(module, spike_gate=SpikeGate())
+        module(torch.ones(1, 2)).sum().backward()
+        guard.record_loss(distribute_tensor(torch.tensor(2.5), mesh, [Replicate()]))
+        guard.record(None, loss=torch.tensor(0.5))
+        levels = {level.measure: level.window_max for level in guard.agree(None).spike_check.levels}
+        assert levels["loss"] == 3.0  # the step's losses, both counted
+        with pytest.raises(ValueError, match="`loss` must be replicated"):
+            guard.record_loss(distribute_tensor(torch.ones(1), mesh, [Shard(0)]))
+    finally:
+        dist.destroy_process_group()
