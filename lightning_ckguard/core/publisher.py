@@ -45,14 +45,12 @@ from lightning_ckguard._distributed import (
     broadcast_in_group,
     default_collective,
     is_rank_zero,
-    own_write_failure,
     require_collective,
-    write_errors,
 )
 from lightning_ckguard.agree.agreement import Verdict
 from lightning_ckguard.agree.guard import GradientGuard
 from lightning_ckguard.publish.durability import durability
-from lightning_ckguard.publish.seal import _file_writes_holding_failures, agree_on_write
+from lightning_ckguard.publish.seal import HeldWriteFailure, agree_on_write
 from lightning_ckguard.publish.staging import RETIRED_SUFFIX, STAGING_SUFFIX, _hidden_for, discard, writes_directories
 from lightning_ckguard.publish.storage import storage_for
 from lightning_ckguard.publish.writers import Flush, choose_writer, writes_as_lightning
@@ -239,23 +237,9 @@ class CheckpointPublisher:
                           f"{error}", stacklevel=3)
 
     def _write_agreed(self, staging: str, flush: Flush, state: dict[str, Any], path: str) -> None:
-        failure: BaseException | None = None
-
-        def hold(error: BaseException) -> None:  # held: every rank learns of it in the agreement below
-            nonlocal failure
-            failure = failure or own_write_failure(error)
-
-        try:
-            # DeepSpeed's save ends in a barrier: a file write that failed on this rank is held inside it, so that
-            # this rank still reaches that barrier instead of leaving its peers there until the timeout (a no-op
-            # for any other strategy, as under the callback)
-            with _file_writes_holding_failures(self.collective, hold):
-                self._write(staging, state)
-            if failure is None:
-                flush(staging)  # this rank's part, before the outcome is agreed: a failed flush is a failed write
-        except write_errors() as error:  # a distributed checkpoint's failure too (a BaseException)
-            hold(error)
-        agree_on_write(self.collective, failure, path)
+        held = HeldWriteFailure()  # as under the callback: every rank learns of it in the agreement below
+        held.write(self.collective, partial(self._write, staging, state), partial(flush, staging))
+        agree_on_write(self.collective, held.error, path)
 
     def _write(self, staging: str, state: dict[str, Any]) -> None:
         save_checkpoint = getattr(self.collective, "save_checkpoint", None)

@@ -251,15 +251,16 @@ class GuardedFit:
         guard = self.guard
         if guard is None:
             return
-        guard.forget_unpublished_window()  # what the vote's agreement accepted, no write published
-        if vote is None or vote.missing_ranks or vote.missing_everywhere or self.checkpoint.save_top_k == 0:
-            return  # nothing was ranked (with `save_top_k=0` ModelCheckpoint never ranks)
-        if collected is None and is_multiprocess(self.trainer.strategy):
-            return  # no verdict came with the vote, and taking one here would be a collective ModelCheckpoint lacks
-        if collected is None:  # one process: no collective (the writer's report rides along, as at a write)
+        # with `save_top_k=0` ModelCheckpoint never ranks; with peers no verdict but the vote's is taken (another
+        # would be a collective ModelCheckpoint lacks); in one process, no collective (the writer's report rides
+        # along, as at a write)
+        ranked = not (vote is None or vote.missing_ranks or vote.missing_everywhere or self.checkpoint.save_top_k == 0)
+        if ranked and collected is None and not is_multiprocess(self.trainer.strategy):
             collected = guard.agree_carrying(self.trainer.strategy, self.writer.report(),
                                              global_step=self.trainer.global_step)
-            guard.forget_unpublished_window()
+        guard.forget_unpublished_window()  # whatever an agreement accepted here, no write published
+        if not ranked or collected is None:
+            return
         if not collected[0].accepted:
             self._apply_agreed(boundary, *collected)  # an earlier write's failure raises first, the ledger back
             self._reject(during_exception=False)

@@ -143,21 +143,11 @@ class PublicationSeal:
         failed, and raises.
         """
         strategy = self._trainer.strategy
-        failure: BaseException | None = None
+        held = HeldWriteFailure()
         write = strategy.save_checkpoint
 
-        def hold(error: BaseException) -> None:
-            nonlocal failure
-            failure = failure or own_write_failure(error)
-
         def write_holding_failure(*args: Any, **kwargs: Any) -> None:
-            try:
-                with _file_writes_holding_failures(strategy, hold):
-                    write(*args, **kwargs)
-                if failure is None:
-                    self._flush(str(filepath))  # a flush that fails is a failed write, agreed below
-            except write_errors() as error:  # a distributed checkpoint's failure too (a BaseException)
-                hold(error)
+            held.write(strategy, functools.partial(write, *args, **kwargs), lambda: self._flush(str(filepath)))
 
         barrier = strategy.barrier
 
@@ -171,14 +161,39 @@ class PublicationSeal:
             with _replaced(strategy, "save_checkpoint", write_holding_failure), \
                     _replaced(strategy, "barrier", barrier_unless_after_the_write):
                 self._save_checkpoint(filepath, *args, **kwargs)
-            agree_on_write(strategy, failure, published_path(str(filepath)))
+            agree_on_write(strategy, held.error, published_path(str(filepath)))
         except Exception as error:
             # A strategy whose save runs collectives after the failing rank's failure point (DeepSpeed ends its save
             # with a barrier) leaves the others waiting there until the strategy's timeout, and this rank's barrier
             # or agreement then fails too. This rank's own failure is the error worth reporting.
-            if failure is None or error is failure:
+            if held.error is None or error is held.error:
                 raise
-            raise failure from error
+            raise held.error from error
+
+
+class HeldWriteFailure:
+    """This rank's failure of one write, held for the agreement after it (where every rank learns of it) instead of
+    raised here alone: the first one, as :func:`~lightning_ckguard._distributed.own_write_failure` makes it this
+    rank's (a distributed checkpoint's failure of other ranks only is theirs to hold)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def hold(self, error: BaseException) -> None:
+        self.error = self.error or own_write_failure(error)
+
+    def write(self, strategy: Any, write: Callable[[], None], flush: Callable[[], None]) -> None:
+        """Run ``write`` through ``strategy``, then ``flush`` this rank's part if it succeeded (a flush that fails is
+        a failed write); a failure of either is held. Under DeepSpeed a file write that fails is held inside the save,
+        so that this rank still reaches the barrier DeepSpeed's save ends with, instead of leaving its peers there
+        until the timeout (:func:`_file_writes_holding_failures`)."""
+        try:
+            with _file_writes_holding_failures(strategy, self.hold):
+                write()
+            if self.error is None:
+                flush()
+        except write_errors() as error:  # a distributed checkpoint's failure too (a BaseException)
+            self.hold(error)
 
 
 def save_flushed(trainer: Any, filepath: str, flush: Callable[[str], None], *args: Any) -> None:
