@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -204,7 +205,10 @@ def own_write_failure(error: BaseException) -> BaseException | None:
     """What of a write's ``error`` (one of :func:`write_errors`) is this rank's own failure, to hold for the agreement.
     A distributed checkpoint's ``CheckpointException`` reaches every rank and names the ranks whose part failed: a
     rank among them holds its own original error (a full disk's ``OSError``), one whose part was written holds
-    nothing (it learns of the others in the agreement, and raises ``CheckpointWriteError``). Any other is its own."""
+    nothing (it learns of the others in the agreement, and raises ``CheckpointWriteError``); so does a rank that
+    learned of another's failure at a :class:`DistributedCheckpointMeeting`. Any other is its own."""
+    if isinstance(error, PeerFailedFirst):
+        return None
     failures = getattr(error, "failures", None) if not isinstance(error, Exception) else None
     if not isinstance(failures, dict):
         return error
@@ -213,6 +217,81 @@ def own_write_failure(error: BaseException) -> BaseException | None:
         return None
     own = failures[rank][0] if isinstance(failures[rank], tuple) and failures[rank] else None
     return own if isinstance(own, BaseException) else error
+
+
+class PeerFailedFirst(Exception):
+    """Raised out of a distributed checkpoint's save or load on a rank whose own part was ready, when the
+    :class:`DistributedCheckpointMeeting` before it found that another rank had failed: not this rank's failure."""
+
+
+class DistributedCheckpointMeeting:
+    """One agreement that every rank joins right before ``torch.distributed.checkpoint``'s ``save`` (or ``load``)
+    starts its collectives, for the duration of one sharded save or load (a ``with`` block).
+
+    A sharded strategy first prepares each rank's part on its own (the modules' state dicts offloaded to the CPU, your
+    objects' ``state_dict()``), and only then enters the distributed checkpoint's collectives. A rank whose
+    preparation failed would leave its peers waiting in those until the collective timeout. Instead it joins them at
+    the meeting (:meth:`settle`), every rank learns of the failure there, and no rank starts the distributed
+    checkpoint: the peers leave it with :class:`PeerFailedFirst`. Every rank meets once per block: inside the call,
+    or at :meth:`settle` when its save or load ended without reaching one. Without peers, or not ``enabled``, nothing
+    is patched and nothing meets. ``torch.distributed.checkpoint.<function>`` is replaced for the block's duration:
+    Lightning's strategies look it up at each call.
+    """
+
+    def __init__(self, strategy: Any, function: str, enabled: bool) -> None:
+        self._strategy, self._function = strategy, function
+        self.enabled = enabled and is_multiprocess(strategy)
+        self._met = False
+        self._found = Failures(())
+
+    def __enter__(self) -> DistributedCheckpointMeeting:
+        self._stack = ExitStack()
+        if self.enabled:
+            import torch.distributed.checkpoint as dcp
+
+            run = getattr(dcp, self._function)
+
+            def meeting_first(*args: Any, **kwargs: Any) -> Any:
+                if not self._met and self._meet(None).ranks:
+                    raise PeerFailedFirst(f"rank {self._found.ranks[0]} failed before the distributed checkpoint: "
+                                          f"{self._found.cause}")
+                return run(*args, **kwargs)
+
+            self._stack.enter_context(replaced_attribute(dcp, self._function, meeting_first))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    def _meet(self, failure: BaseException | None) -> Failures:
+        self._met = True  # before the collective: a rank whose meeting itself failed never meets twice
+        self._found = agree_on_failure(self._strategy, failure)
+        return self._found
+
+    def settle(self, failure: BaseException | None) -> bool:
+        """Meet now, with this rank's ``failure`` (or None), if its save or load ended without meeting; return whether
+        the meeting found a failure on some rank (then no rank went past it)."""
+        if self.enabled and not self._met:
+            self._meet(failure)
+        return bool(self._found.ranks)
+
+
+@contextmanager
+def replaced_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Set ``owner.name`` to ``value`` for the duration, then restore exactly what was there: the instance's (or
+    module's) own attribute, or none (so the class's method shows through again)."""
+    own = vars(owner).get(name, _ABSENT)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if own is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
+
+
+_ABSENT = object()
 
 
 def describe_error(error: BaseException) -> str:
@@ -290,7 +369,9 @@ def is_deepspeed_strategy(strategy: Any) -> bool:
 
 
 __all__ = [
+    "DistributedCheckpointMeeting",
     "FAILING_RANKS",
+    "PeerFailedFirst",
     "every_rank_arrives",
     "NO_VALUE",
     "Failures",
@@ -306,6 +387,7 @@ __all__ = [
     "rank_and_world",
     "reduce_ints",
     "own_write_failure",
+    "replaced_attribute",
     "require_collective",
     "write_errors",
     "is_deepspeed_strategy",

@@ -355,8 +355,9 @@ class CheckpointRestoreError(_FailedOnRanks):
     (:func:`~lightning_ckguard.restore_fabric_state`) failed on some rank; on a failing rank it is raised from that
     rank's own error.
 
-    The ranks whose load succeeded hold the checkpoint's state and the others do not, so training must not go on as
-    it is: restore again on every rank, or stop.
+    The ranks whose load succeeded hold the checkpoint's state and the others do not (a sharded load that failed on
+    some rank before its distributed checkpoint started changed no rank's state), so training must not go on as it
+    is: restore again on every rank, or stop.
 
     Attributes:
         ranks: Ranks whose load failed.
@@ -367,8 +368,8 @@ class CheckpointRestoreError(_FailedOnRanks):
     _FIELDS = ("ranks", "filepath", "cause")
 
     def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None) -> None:
-        super().__init__(ranks, filepath, cause, "Restoring", "The other ranks restored it, so the ranks no longer "
-                         "hold the same state: restore again on every rank, or stop.")
+        super().__init__(ranks, filepath, cause, "Restoring", "The other ranks may have restored it, so the ranks "
+                         "may no longer hold the same state: restore again on every rank, or stop.")
 
 
 class StateCheckError(_RebuiltFromFields, RuntimeError):

@@ -17,14 +17,16 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from lightning_ckguard._distributed import (
+    DistributedCheckpointMeeting,
     Failures,
     agree_on_failure,
     is_deepspeed_strategy,
     own_write_failure,
+    replaced_attribute,
     write_errors,
 )
 from lightning_ckguard.errors import CheckpointWriteError
-from lightning_ckguard.publish.staging import published_path, writes_directories
+from lightning_ckguard.publish.staging import published_path, uses_distributed_checkpoint, writes_directories
 from lightning_ckguard.publish.transaction import WriteRefused, active_transaction
 
 #: The actions of the seal call under way, to run once its write succeeded on every rank (:meth:`after_write`).
@@ -158,8 +160,8 @@ class PublicationSeal:
                 barrier(name, *args, **kwargs)
 
         try:
-            with _replaced(strategy, "save_checkpoint", write_holding_failure), \
-                    _replaced(strategy, "barrier", barrier_unless_after_the_write):
+            with replaced_attribute(strategy, "save_checkpoint", write_holding_failure), \
+                    replaced_attribute(strategy, "barrier", barrier_unless_after_the_write):
                 self._save_checkpoint(filepath, *args, **kwargs)
             agree_on_write(strategy, held.error, published_path(str(filepath)))
         except Exception as error:
@@ -186,14 +188,24 @@ class HeldWriteFailure:
         """Run ``write`` through ``strategy``, then ``flush`` this rank's part if it succeeded (a flush that fails is
         a failed write); a failure of either is held. Under DeepSpeed a file write that fails is held inside the save,
         so that this rank still reaches the barrier DeepSpeed's save ends with, instead of leaving its peers there
-        until the timeout (:func:`_file_writes_holding_failures`)."""
+        until the timeout (:func:`_file_writes_holding_failures`). A sharded save through
+        ``torch.distributed.checkpoint`` meets first (``_distributed.DistributedCheckpointMeeting``), so that a rank
+        whose own part failed before it (your object's ``state_dict()``) stops its peers there."""
+        meeting = DistributedCheckpointMeeting(strategy, "save", enabled=saves_through_distributed_checkpoint(strategy))
         try:
-            with _file_writes_holding_failures(strategy, self.hold):
+            with _file_writes_holding_failures(strategy, self.hold), meeting:
                 write()
-            if self.error is None:
+            if not meeting.settle(self.error) and self.error is None:
                 flush()
         except write_errors() as error:  # a distributed checkpoint's failure too (a BaseException)
             self.hold(error)
+            meeting.settle(self.error)
+
+
+def saves_through_distributed_checkpoint(strategy: Any) -> bool:
+    """Whether ``strategy`` saves a sharded directory through ``torch.distributed.checkpoint`` (Lightning's FSDP and
+    model-parallel strategies set to save sharded)."""
+    return writes_directories(strategy) and uses_distributed_checkpoint(strategy)
 
 
 def save_flushed(trainer: Any, filepath: str, flush: Callable[[str], None], *args: Any) -> None:
@@ -205,7 +217,7 @@ def save_flushed(trainer: Any, filepath: str, flush: Callable[[str], None], *arg
         trainer.save_checkpoint(filepath, *args)
         flush(filepath)
         return
-    with _replaced(seal, "_flush", flush):
+    with replaced_attribute(seal, "_flush", flush):
         seal(filepath, *args)
 
 
@@ -232,23 +244,8 @@ def _file_writes_holding_failures(strategy: Any, hold: Callable[[BaseException],
             hold(error)
             return None
 
-    with _replaced(engine, "save", save_holding_failure):
+    with replaced_attribute(engine, "save", save_holding_failure):
         yield
-
-
-@contextmanager
-def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """Set ``owner.name`` to ``value`` for the duration, then restore exactly what was there: the instance's own
-    attribute, or none (so the class's method shows through again)."""
-    own = vars(owner).get(name, _ABSENT)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if own is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, own)
 
 
 _ABSENT = object()

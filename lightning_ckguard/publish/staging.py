@@ -58,6 +58,13 @@ def writes_directories(strategy: Any) -> bool:
     )
 
 
+def uses_distributed_checkpoint(strategy: Any) -> bool:
+    """Whether ``strategy`` saves and loads its directory checkpoints through ``torch.distributed.checkpoint``:
+    Lightning's FSDP and model-parallel strategies (DeepSpeed writes its own)."""
+    return not is_deepspeed_strategy(strategy) and (
+        hasattr(strategy, "_save_distributed_checkpoint") or hasattr(strategy, "_state_dict_type"))
+
+
 def _hidden_sibling(filepath: str, suffix: str) -> str:
     head, tail = os.path.split(filepath)
     return os.path.join(head, f".{tail}{suffix}")

@@ -24,9 +24,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_ckguard._distributed import agree_on_failure, broadcast_value, write_errors
+from lightning_ckguard._distributed import (
+    DistributedCheckpointMeeting,
+    agree_on_failure,
+    broadcast_value,
+    own_write_failure,
+    write_errors,
+)
 from lightning_ckguard.agree.report import BoundaryReport
 from lightning_ckguard.errors import CheckpointRestoreError, RewindRefusedError, Spike, describe_spikes
+from lightning_ckguard.publish.staging import uses_distributed_checkpoint
 
 #: The file, next to the checkpoints, that gets one JSON line per rewind (written by rank 0).
 REWIND_LOG_NAME = "ckguard-rewinds.jsonl"
@@ -351,12 +358,19 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
     """
     remainder: dict[str, Any] = {}
     failure: BaseException | None = None
+    # a sharded checkpoint: every rank meets before the distributed checkpoint's collectives, so that one whose own
+    # preparation failed (the modules' state dicts to load into) stops its peers there
+    sharded = uses_distributed_checkpoint(fabric.strategy) and os.path.isdir(path)
+    meeting = DistributedCheckpointMeeting(fabric.strategy, "load", enabled=sharded)
     try:
-        remainder = fabric.load(path, state, strict=strict)
+        with meeting:
+            remainder = fabric.load(path, state, strict=strict)
+        meeting.settle(None)
     except write_errors() as error:  # every rank must hear of it (a distributed checkpoint's BaseException too), or
         # the others would wait in their next collective
-        failure = error
-        fabric.barrier()  # where the others' `fabric.load` ends (a load fails before it: reading the file)
+        failure = own_write_failure(error)
+        if not meeting.settle(failure):  # the peers did not leave at the meeting: they go on to the end of the load
+            fabric.barrier()  # where the others' `fabric.load` ends (a load fails before it: reading the file)
     failed = agree_on_failure(fabric.strategy, failure)
     if failed.ranks:
         raise CheckpointRestoreError(ranks=failed.ranks, filepath=str(path), cause=failed.cause) from failure

@@ -86,6 +86,31 @@ def test_an_fsdp2_distributed_checkpoint_is_published_whole_as_one_directory(ran
 
 
 @pytest.mark.multiprocess
+def test_a_sharded_save_that_fails_on_one_rank_before_the_distributed_checkpoint_raises_on_both_at_once(ranks):
+    """Rank 1's own part fails before the distributed checkpoint's collectives (an object's ``state_dict()``), while
+    rank 0 is about to enter them: the ranks meet first, so both raise at once (not at the 60 s collective timeout,
+    with a raw gloo error), and nothing is published."""
+    results = [rank["fsdp2-fails-before-its-part"] for rank in ranks]
+    errors = [r["failed_save"]["error"] for r in results]
+    assert [e and e["type"] for e in errors] == ["CheckpointWriteError", "RuntimeError"], errors
+    assert "failed on rank 1" in errors[0]["message"] and "state_dict fails on rank 1" in errors[0]["message"]
+    assert max(r["failed_save"]["seconds"] for r in results) < 20
+    assert results[0]["listing"] == ["good.ckpt"]  # nothing hidden left
+    assert [r["save_again"]["error"] for r in results] == [None, None]
+    assert results[0]["final_listing"] == ["again.ckpt", "good.ckpt"]
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_restore_that_fails_on_one_rank_before_the_distributed_checkpoint_raises_on_both_at_once(ranks):
+    results = [rank["fsdp2-fails-before-its-part"] for rank in ranks]
+    errors = [r["failed_restore"]["error"] for r in results]
+    assert [e and e["type"] for e in errors] == ["CheckpointRestoreError"] * 2, errors
+    assert all("failed on rank 1" in e["message"] for e in errors)
+    assert max(r["failed_restore"]["seconds"] for r in results) < 20
+    assert [r["restore_again"]["error"] for r in results] == [None, None]
+
+
+@pytest.mark.multiprocess
 def test_a_directory_replaced_under_its_name_is_kept_for_readers_until_the_next_save_or_close(ranks):
     kept = ranks[0]["fsdp2-directory"]["kept"]
     published = ["last.ckpt", "step=12.ckpt", "step=4.ckpt"]

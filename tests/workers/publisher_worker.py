@@ -13,6 +13,9 @@ strategy, collectives time out after 60 s) and its own checkpoint directory unde
 - ``unmakeable-dirpath`` (DDP): ``dirpath`` under a regular file, which rank 0 cannot create.
 - ``fsdp2-directory`` (``ModelParallelStrategy``, ``fully_shard``): each save writes a distributed-checkpoint
   directory, one shard file per rank; the directory is published whole, by one rename, after every rank wrote.
+- ``fsdp2-fails-before-its-part`` (``ModelParallelStrategy``): rank 1 fails before the distributed checkpoint starts,
+  once in a save (an object's ``state_dict()`` raises) and once in a restore (the model's ``state_dict()``, which the
+  load fills, raises); each is timed, then the same save and restore are done again without the failure.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 import traceback
 import warnings
 from datetime import timedelta
@@ -156,6 +160,63 @@ def _refuse_next_write(fabric: Fabric) -> Any:
     return restore
 
 
+class _FailingOnRank1:
+    """An object saved with the checkpoint whose ``state_dict()`` raises on rank 1 while ``failing`` is set."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.failing = rank, False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.failing and self.rank == 1:
+            raise RuntimeError("this object's state_dict fails on rank 1")
+        return {"rank": self.rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _timed(call: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        call()
+        error = None
+    except Exception as caught:
+        error = _error(caught)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def _fails_before_its_part(out: str) -> dict[str, Any]:
+    """Rank 1 fails before the distributed checkpoint's collectives, in a save and in a restore; rank 0 is inside
+    them by then, and must not wait there until the 60 s timeout."""
+    fabric = _fabric("fsdp2")
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    dirpath = os.path.join(out, "fails-before")
+    publisher = CheckpointPublisher(fabric.strategy, dirpath, guard=GradientGuard(model))
+    extra = _FailingOnRank1(fabric.global_rank)
+    state = {"model": model, "optimizer": optimizer, "extra": extra}
+    publisher.save("good.ckpt", state)
+    extra.failing = True
+    failed_save = _timed(lambda: publisher.save("bad.ckpt", state))
+    fabric.barrier()
+    listing = sorted(os.listdir(dirpath))
+    extra.failing = False
+    failing_load = [fabric.global_rank == 1]
+
+    def fails_on_rank_1(*args: Any) -> None:
+        if failing_load[0]:
+            raise RuntimeError("the model's state_dict fails on rank 1")
+
+    model.module.register_state_dict_pre_hook(fails_on_rank_1)
+    path = os.path.join(dirpath, "good.ckpt")
+    failed_restore = _timed(lambda: restore_fabric_state(fabric, path, {"model": model, "optimizer": optimizer}))
+    failing_load[0] = False
+    return {"failed_save": failed_save, "listing": listing, "failed_restore": failed_restore,
+            "save_again": _timed(lambda: publisher.save("again.ckpt", state)),
+            "restore_again": _timed(lambda: restore_fabric_state(fabric, path, {"model": model})),
+            "final_listing": sorted(os.listdir(dirpath))}
+
+
 def _unmakeable_dirpath(out: str) -> dict[str, Any]:
     """``dirpath`` under a regular file: rank 0 cannot create it, and every rank must hear of it at construction."""
     fabric = _fabric("ddp")
@@ -179,6 +240,7 @@ def main() -> None:
         "nan-on-rank-1": lambda out: _train(out, "nan", "ddp", fault_rank=1, refuse_on_rank_0_at=None),
         "refused-write-on-rank-0": lambda out: _train(out, "refused", "ddp", fault_rank=None, refuse_on_rank_0_at=8),
         "fsdp2-directory": lambda out: _train(out, "fsdp2", "fsdp2", fault_rank=1, refuse_on_rank_0_at=None),
+        "fsdp2-fails-before-its-part": _fails_before_its_part,
     }
     run_scenarios(scenarios, sys.argv[1], set(sys.argv[2:]))
 
