@@ -61,6 +61,8 @@ _RESPONSE_WORDS = {
     Response.SEAL_AND_WARN: "Nothing was saved on exception.",
     Response.SKIP: "Skipped; training continues with a fresh window.",
     Response.STOP: "Stopping training.",
+    Response.SEAL: "The fit had ended: nothing is published from this process any more (a `trainer.save_checkpoint` "
+                   "of these weights is refused).",
 }
 
 
@@ -111,6 +113,7 @@ class GuardedFit:
         self._voted_on: Any = None  # the monitored value it was taken on
         self._collected: tuple[Verdict, Sequence[int]] | None = None  # agreed with the vote, not yet applied
         self._written_before: tuple[Any, Any] = (None, None)  # the last write when this boundary started
+        self._accepted_unpublished_at: int | None = None  # the step an unwritten boundary accepted the window at
         self._rewind_due: BoundaryReport | None = None  # a rejected write outside the boundaries rewinds at the next
         self._resumed_from: str | None = None  # the checkpoint this fit resumed from, as the storage resolved it
         self._setup_number = 0  # which set-up fit of this process this is (0: one driven by hand, never set up)
@@ -244,10 +247,11 @@ class GuardedFit:
         """A boundary whose hook ranked a monitored value every rank logged, and wrote nothing (not in the top K, not
         due), still judges the window, so that ``on_non_finite`` acts at the first such boundary after a fault rather
         than at the first one that writes (which may never come: a diverged run's metric stops improving). A rejection
-        is applied as at a write; an acceptance changes nothing and the window goes on (nothing was published, so a
-        spike gate learns nothing of it). With peers the verdict came with the vote, no collective more; without,
-        it is taken here on the gradients and the spike gate (the state is checked with a write): one small host
-        read, where ``ModelCheckpoint``'s own ranking reads the monitored value."""
+        is applied as at a write; an acceptance leaves the window going on (nothing was published, so a spike gate
+        learns nothing of it). Either way an earlier write's failure the agreement carried raises first. With peers the
+        verdict came with the vote, no collective more; without, it is taken here on the gradients and the spike gate
+        (the state is checked with a write): one small host read, where ``ModelCheckpoint``'s own ranking reads the
+        monitored value."""
         guard = self.guard
         if guard is None:
             return
@@ -261,7 +265,10 @@ class GuardedFit:
         guard.forget_unpublished_window()  # whatever an agreement accepted here, no write published
         if not ranked or collected is None:
             return
-        if not collected[0].accepted:
+        if collected[0].accepted:  # every step so far judged: the end of the fit need not judge them again
+            self._accepted_unpublished_at = self.trainer.global_step
+            self._settle_writes(collected[1])  # an earlier write's failure raises here, as at a write
+        else:
             self._apply_agreed(boundary, *collected)  # an earlier write's failure raises first, the ledger back
             self._reject(during_exception=False)
 
@@ -357,20 +364,27 @@ class GuardedFit:
         """Apply an agreement: count and report its verdict, then settle the writer's report it carried (see
         :meth:`_agree_at_boundary`). Returns whether the verdict accepts."""
         self._apply_verdict(verdict, boundary)
-        failure = self.writer.settle(self.trainer.strategy, carried)
-        if failure is not None:
-            transaction = own_transaction(self.checkpoint)
-            if failure.published is not None and transaction is not None:
-                transaction.roll_back_to(failure.published)
-            elif transaction is None:  # after a hook that wrote nothing: no transaction restores the ledger
-                self._roll_back(failure)
-            if during_exception:
-                rank_zero_warn(f"FiniteGradCheckpoint: no checkpoint saved on this exception: an earlier checkpoint "
-                               f"write failed ({type(failure.error).__name__}: {failure.error}); the checkpoint's "
-                               "records went back to what was published.")
-                raise BoundaryAbandoned
-            raise failure.error
+        self._settle_writes(carried, during_exception)
         return verdict.accepted
+
+    def _settle_writes(self, carried: Sequence[int], during_exception: bool = False) -> None:
+        """Settle the writer's report an agreement carried: an earlier write that failed on some rank raises here on
+        every rank, the ledger back to what was published (while an exception is handled: a warning, and
+        :class:`BoundaryAbandoned`)."""
+        failure = self.writer.settle(self.trainer.strategy, carried)
+        if failure is None:
+            return
+        transaction = own_transaction(self.checkpoint)
+        if failure.published is not None and transaction is not None:
+            transaction.roll_back_to(failure.published)
+        elif transaction is None:  # after a hook that wrote nothing: no transaction restores the ledger
+            self._roll_back(failure)
+        if during_exception:
+            rank_zero_warn(f"FiniteGradCheckpoint: no checkpoint saved on this exception: an earlier checkpoint "
+                           f"write failed ({type(failure.error).__name__}: {failure.error}); the checkpoint's "
+                           "records went back to what was published.")
+            raise BoundaryAbandoned
+        raise failure.error
 
     def _collect(self, vote: Sequence[int], check_state: bool = True) -> tuple[Verdict, tuple[int, ...]]:
         """Every rank joins the agreement (one collective: the vote and the writer's report ride in it); returns the
@@ -407,15 +421,15 @@ class GuardedFit:
         if report.accepted and report.skipped_steps:
             rank_zero_info(report.message)
 
-    def _reject(self, during_exception: bool, rewind_later: bool = False) -> None:
+    def _reject(self, during_exception: bool, rewind_later: bool = False, at_the_end: bool = False) -> None:
         """Apply the response :func:`~lightning_ckguard.recover.policy.respond` decides for the rejection just agreed
         on (the same on every rank): the decision is there, this only carries it out. ``rewind_later``: a rewind
-        waits for the callback's next hook (:meth:`_rewind_if_due`)."""
+        waits for the callback's next hook (:meth:`_rewind_if_due`). ``at_the_end``: the fit's training is over."""
         decisions, guard = self.decisions, self.guard
         assert decisions.last_report is not None and guard is not None
         report = decisions.last_report
         response = respond(self.checkpoint.on_non_finite, during_exception=during_exception,
-                           fitting=self.rewind_log is not None)
+                           fitting=self.rewind_log is not None, at_the_end=at_the_end)
         if response is Response.REWIND and rewind_later:
             self._rewind_due = report
             rank_zero_warn(f"FiniteGradCheckpoint rejected a save outside its boundaries at global step "
@@ -525,7 +539,9 @@ class GuardedFit:
         an exception no collective is safe and the original error is the one to surface: each rank rolls back to
         what it published and says so. Then the copies kept for readers go."""
         try:
-            failure = self.writer.finish(self.trainer.strategy, during_exception)
+            last_steps = None if during_exception else self._agree_on_the_last_steps()
+            failure = self.writer.finish(self.trainer.strategy, during_exception,
+                                         last_steps[1] if last_steps is not None else None)
             if during_exception and failure is not None:
                 if not is_multiprocess(self.trainer.strategy):
                     self._roll_back(failure)
@@ -534,12 +550,37 @@ class GuardedFit:
                 rank_zero_warn(f"FiniteGradCheckpoint: a checkpoint write failed as well: {failure.error}")
             else:
                 self._raise_write_failure(failure)
+            if last_steps is not None:
+                self._apply_last_steps(last_steps[0])
         finally:
             self._keep_spike_history()  # an exception ends a fit without its teardown
             if self.decisions.rejection is None and self.trainer.is_global_zero:
                 # not after a rejection: that changes nothing on disk (the next fit's recovery removes them)
                 self.storage.release_all_retired(_dirpath(self.checkpoint))
             flush_held_metrics(self.trainer)  # nothing of Lightning's is logged after this
+
+    def _agree_on_the_last_steps(self) -> tuple[Verdict, tuple[int, ...]] | None:
+        """The steps after the fit's last agreement (no boundary came after them, or one that neither wrote nor
+        ranked), judged at train end, so that ``on_non_finite`` acts on them and a ``trainer.save_checkpoint`` after
+        ``fit`` cannot publish what they diverged. One agreement without the state (nothing is written), the
+        writer's report riding in it, so the end of the fit runs no collective more for that; none when every step
+        was judged. The same decision on every rank: each recorded the same steps, and judged the same boundaries."""
+        guard = self.guard
+        if guard is None or self.decisions.rejection is not None or guard.steps_recorded == 0:
+            return None
+        if self._accepted_unpublished_at == self.trainer.global_step:
+            return None  # judged at this step already (a boundary that ranked the value and wrote nothing)
+        self.writer.wait()  # the agreement carries the outcome of every write
+        return self._collect([], check_state=False)
+
+    def _apply_last_steps(self, verdict: Verdict) -> None:
+        """Apply the verdict on the fit's last steps: nothing was published, so a spike gate learns nothing of them;
+        a rejection seals the run (and raises under ``"raise"``)."""
+        assert self.guard is not None
+        self._apply_verdict(verdict, "train end")
+        self.guard.forget_unpublished_window()
+        if not verdict.accepted:
+            self._reject(during_exception=False, at_the_end=True)
 
     def tear_down(self) -> None:
         """Give the Trainer back its own ``save_checkpoint`` (not after a rejection: the seal stays), stop the

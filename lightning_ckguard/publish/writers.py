@@ -79,8 +79,11 @@ class Writer(Protocol):
     def settle(self, collective: Any, reduced: Sequence[int]) -> WriteFailure | None:
         """Every rank's :meth:`report`, reduced: the failure every rank raises, or None."""
 
-    def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
-        """The end of the fit: wait for every write; agreed on every rank, or during an exception this rank's own."""
+    def finish(self, collective: Any, during_exception: bool,
+               reduced: Sequence[int] | None = None) -> WriteFailure | None:
+        """The end of the fit: wait for every write; agreed on every rank, or during an exception this rank's own.
+        ``reduced``: :meth:`report`'s words already reduced in an agreement at the end, settled from them with no
+        collective of its own."""
 
     def wait(self) -> None:
         """Wait until every accepted boundary's write has run (before a rewind reads one)."""
@@ -166,10 +169,13 @@ class _HoldsFailures:
             return None
         return WriteFailure(error, unconfirmed if unpublished else None)
 
-    def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
+    def finish(self, collective: Any, during_exception: bool,
+               reduced: Sequence[int] | None = None) -> WriteFailure | None:
         if during_exception:  # no collective is safe: this rank's own failure only
             held, self._held = self._held, None
             return WriteFailure(held.error, self._unconfirmed if held.unpublished else None) if held else None
+        if reduced is not None:
+            return self.settle(collective, reduced)
         if not self._acted_alone:  # nothing rank 0 did alone can have failed: no collective, on every rank
             self._unconfirmed = None
             return None
@@ -375,12 +381,15 @@ class BackgroundWriter:
     def settle(self, collective: Any, reduced: Sequence[int]) -> WriteFailure | None:
         return self._publisher.settle(collective, reduced)
 
-    def finish(self, collective: Any, during_exception: bool) -> WriteFailure | None:
+    def finish(self, collective: Any, during_exception: bool,
+               reduced: Sequence[int] | None = None) -> WriteFailure | None:
         try:
             self._publisher.wait()
             if during_exception:
                 return self._publisher.local_failure()
-            return self._publisher.settle(collective, reduce_ints(collective, self.report()))
+            if reduced is None:
+                reduced = reduce_ints(collective, self.report())
+            return self._publisher.settle(collective, reduced)
         finally:
             self._publisher.close()
             if during_exception:  # Lightning runs no teardown after an exception: the plugin is given back now

@@ -91,6 +91,18 @@ def test_the_guard_adds_at_most_todays_floor_of_collectives(ranks):
     assert outside[0] == outside[1], outside
 
 
+@pytest.mark.parametrize(("ending", "extra"), [
+    # the last boundary's agreement (the top-K vote) settled the writer's report and judged every step: nothing is
+    # left for the end of the fit but the agreed check of dirpath at its start
+    ("last-unwritten", 1),
+    # the steps after the last boundary are judged at train end, the writer's last report riding in that agreement
+    ("trailing-steps", 2),
+])
+def test_the_end_of_a_fit_adds_only_what_its_last_steps_need(ranks, ending, extra):
+    counts = ranks[0]
+    assert fit_total(counts, f"FiniteGradCheckpoint/{ending}") - fit_total(counts, f"ModelCheckpoint/{ending}") == extra
+
+
 def test_the_spike_gate_adds_one_all_reduce_per_agreement_and_nothing_per_step(ranks):
     counts = ranks[0]
     guarded, gated = boundaries(counts, "FiniteGradCheckpoint"), boundaries(counts, "SpikeGate")

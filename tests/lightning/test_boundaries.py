@@ -121,11 +121,55 @@ def test_a_boundary_that_writes_nothing_applies_the_rejection_of_a_fault_before_
         assert trainer.global_step == 6
 
 
-def test_with_save_top_k_0_nothing_is_ranked_so_no_boundary_judges(tmp_path):
-    # ModelCheckpoint asks for the monitored value at every validation but never ranks it: no boundary, no policy
-    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=0)
-    trainer = fit(callback, EPOCHS, fault_steps=[4])
-    assert callback.rejection is None and trainer.global_step == 12 and os.listdir(tmp_path) == []
+# saves at global steps 5 and 10; the fit ends at step 12, with no boundary after steps 10 and 11
+TRAINING_STEPS = dict(max_steps=12, limit_train_batches=20, limit_val_batches=0, num_sanity_val_steps=0)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "stop", "rewind"])
+def test_steps_after_the_last_boundary_are_judged_at_train_end_and_sealed(policy, tmp_path):
+    # a NaN at step 10, applied (the weights diverge): no boundary comes after it, and ModelCheckpoint writes nothing
+    # at train end; the fit must not end as if nothing happened, nor a save after it publish the NaN weights
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}",
+                                    on_non_finite=policy)
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], **QUIET, **TRAINING_STEPS)
+    model = FaultyModel(fault_steps=[10], sanitize=False)
+    with contextlib.ExitStack() as stack:
+        if policy == "raise":
+            stack.enter_context(pytest.raises(NonFiniteGradientError, match="global step 12.*steps 10 to 11"))
+        else:
+            stack.enter_context(pytest.warns(UserWarning, match="at train end.*The fit had ended"))
+        trainer.fit(model)
+    assert not torch.isfinite(model.layer.weight).all()
+    assert sorted(os.listdir(tmp_path)) == ["step=10.ckpt", "step=5.ckpt"]
+    assert callback.rejection is not None and (callback.rejection.first_step, callback.rejection.global_step) == (
+        10, 12)
+    with pytest.raises(NonFiniteGradientError):
+        trainer.save_checkpoint(tmp_path / "after-fit.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["step=10.ckpt", "step=5.ckpt"]
+
+
+def test_finite_steps_after_the_last_boundary_are_accepted_at_train_end_and_not_learned(tmp_path, monkeypatch):
+    agreements = count_agreements(monkeypatch)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}",
+                                    spike_gate=SpikeGate(warmup_steps=100))
+    trainer = fit(callback, TRAINING_STEPS)
+    assert agreements == [5, 10, 12]  # without peers the last one is local: no collective
+    assert callback.rejection is None and callback.last_verdict.accepted
+    # only the published windows are learned: steps 0 to 9
+    assert {k: len(v) for k, v in callback.state_dict()["spike_history"].items()} == {"loss": 10, "grad_norm": 10}
+    trainer.save_checkpoint(tmp_path / "after-fit.ckpt")  # the fit's weights are finite: written as ever
+    assert sorted(os.listdir(tmp_path)) == ["after-fit.ckpt", "step=10.ckpt", "step=5.ckpt"]
+
+
+def test_with_save_top_k_0_nothing_is_ranked_so_only_the_end_of_the_fit_judges(tmp_path):
+    # ModelCheckpoint asks for the monitored value at every validation but never ranks it: no boundary judges, and
+    # the policy acts on the whole fit's steps at its end
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=0, on_non_finite="stop")
+    with pytest.warns(UserWarning, match="at train end.*global step 12.*step 4"):
+        trainer = fit(callback, EPOCHS, fault_steps=[4])
+    assert trainer.global_step == 12 and os.listdir(tmp_path) == []
+    assert callback.rejection is not None and callback.rejection.global_step == 12
 
 
 def test_rejection_of_top_k_plus_link_changes_nothing(tmp_path):

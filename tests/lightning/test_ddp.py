@@ -117,6 +117,18 @@ def test_an_unselected_boundary_applies_the_rejection_its_vote_carried(ranks, op
     assert "epoch=0-step=2.ckpt" in rank0["tree"]  # the file it would have evicted stays
 
 
+def test_a_nan_after_the_last_boundary_raises_on_every_rank_at_train_end(ranks):
+    # NaN at step 6 on rank 1 only, after the last boundary (global step 6): ModelCheckpoint writes nothing more, and
+    # the fit must not end as if nothing happened; every rank raises the same error at train end (global step 8)
+    for results in ranks:
+        result = results["ddp-trailing-reject"]
+        assert result["error"] == {**EXPECTED_REJECTION, "first_step": 6, "last_step": 6, "global_step": 8}
+        assert result["state"] == result["snapshots"]["6"]["state"]
+    rank0 = ranks[0]["ddp-trailing-reject"]
+    assert rank0["tree"] == rank0["snapshots"]["6"]["tree"]
+    assert sorted(rank0["tree"]) == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt"]
+
+
 def test_guard_on_a_raw_process_group_reaches_the_same_verdict(ranks):
     expected = {**EXPECTED_REJECTION, "first_step": 0, "last_step": 0, "global_step": 1, "parameters": ["bias"]}
     assert [results["process-group-guard"]["error"] for results in ranks] == [expected, expected]

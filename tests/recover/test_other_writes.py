@@ -116,27 +116,36 @@ def test_a_rewind_records_the_step_its_checkpoint_was_written_at_after_boundarie
 
 
 class SavesAtTrainEnd(FaultyModel):
-    """Saves by hand in its own ``on_train_end``, which Lightning runs after every callback's."""
+    """Saves by hand in its own ``on_train_end``, which Lightning runs after every callback's; with ``poison``, after
+    writing a NaN into its weights (their gradients all finite)."""
 
-    def __init__(self, directory: Any, **kwargs: Any) -> None:
+    def __init__(self, directory: Any, poison: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.directory = directory
+        self.directory, self.poison = directory, poison
 
     def on_train_end(self) -> None:
+        if self.poison:
+            with torch.no_grad():
+                self.layer.weight[0, 0] = float("nan")
         self.trainer.save_checkpoint(os.path.join(self.directory, "final.ckpt"))
 
 
-def test_a_rewind_still_due_when_the_fit_ends_seals_the_run(tmp_path):
-    # the NaN update at step 9 and no boundary after it: the save in the module's on_train_end is rejected, and no hook
-    # of the callback is left to rewind at; nothing may publish those weights afterwards
+@pytest.mark.parametrize("diverged", ["gradients", "weights"])
+def test_a_rejection_at_the_end_of_a_fit_under_rewind_seals_the_run(diverged, tmp_path):
+    # nothing is left to rewind at, and nothing may publish those weights afterwards. A NaN update at step 9, with
+    # no boundary after it: the steps after the last boundary are judged at train end, and rejected there. Weights
+    # made NaN in the module's on_train_end (after every callback's): its save is rejected by the state check, a
+    # rewind is due, and no hook of the callback is left to rewind at
     seed_everything(0)
     checkpoint = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}",
                                       on_non_finite="rewind")
     trainer = Trainer(max_steps=10, limit_val_batches=0, callbacks=[checkpoint], devices=1, **QUIET)
+    faults = dict(fault_steps=[9], sanitize=False) if diverged == "gradients" else dict(poison=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(SavesAtTrainEnd(tmp_path, fault_steps=[9], sanitize=False))
-    assert any("The fit ended before the weights could go back" in str(w.message) for w in caught)
+        trainer.fit(SavesAtTrainEnd(tmp_path, **faults))
+    sealed = "The fit had ended" if diverged == "gradients" else "The fit ended before the weights could go back"
+    assert any(sealed in str(w.message) for w in caught)
     with pytest.raises(NonFiniteGradientError, match="global step 10"):
         trainer.save_checkpoint(tmp_path / "after.ckpt")
     assert _on_disk(tmp_path) == {"step=4.ckpt", "step=8.ckpt"}

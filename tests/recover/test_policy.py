@@ -25,5 +25,13 @@ def test_each_policy_and_context_has_one_response(policy, during_exception, fitt
     assert respond(policy, during_exception=during_exception, fitting=fitting) is expected
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_at_the_end_of_training_only_raise_raises_and_every_other_policy_seals(policy):
+    expected = Response.RAISE if policy == "raise" else Response.SEAL
+    assert respond(policy, during_exception=False, at_the_end=True) is expected
+    # an exception unwinding the fit still wins: its error surfaces
+    assert respond(policy, during_exception=True, at_the_end=True) is Response.SEAL_AND_WARN
+
+
 def test_only_skip_and_rewind_leave_the_run_unsealed():
     assert {response for response in Response if not response.seals} == {Response.SKIP, Response.REWIND}

@@ -81,14 +81,23 @@ def counting_boundaries(cls: type[ModelCheckpoint], boundaries: list[dict[str, A
     return counted
 
 
-def count_fit(out: str, cls: type[ModelCheckpoint], name: str, **options: Any) -> dict[str, Any]:
+#: how a fit ends, each for both classes: its last boundary ranks the value and writes nothing (the last epoch's loss
+#: makes no top 2, no ``last``); or steps come after its last boundary (saves every 3 of its 8 steps, no monitor)
+END_SCENARIOS: dict[str, dict[str, Any]] = {
+    "last-unwritten": dict(save_last=False, val_losses=[4.0, 3.0, 2.0, 5.0]),
+    "trailing-steps": dict(monitor=None, save_top_k=-1, save_last=False, every_n_train_steps=3),
+}
+
+
+def count_fit(out: str, cls: type[ModelCheckpoint], name: str, val_losses: list[float] = VAL_LOSSES,
+              **options: Any) -> dict[str, Any]:
     seed_everything(7)
     boundaries: list[dict[str, Any]] = []
-    callback = counting_boundaries(cls, boundaries)(dirpath=os.path.join(out, name), monitor="val_loss",
-                                                     save_top_k=2, save_last=True, **options)
+    options = {"monitor": "val_loss", "save_top_k": 2, "save_last": True, **options}
+    callback = counting_boundaries(cls, boundaries)(dirpath=os.path.join(out, name), **options)
     trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[callback],
                       max_epochs=EPOCHS, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0, **QUIET)
-    model = FaultyModel(val_losses=VAL_LOSSES)
+    model = FaultyModel(val_losses=val_losses)
     CALLS.clear()
     trainer.fit(model)
     in_boundaries = sum((Counter(b["calls"]) for b in boundaries), Counter())
@@ -100,6 +109,11 @@ def main() -> None:
         ModelCheckpoint, FiniteGradCheckpoint)}
     # the spike gate adds its one all-reduce of the step values to each agreement, and nothing else
     scenarios["SpikeGate"] = lambda out: count_fit(out, FiniteGradCheckpoint, "SpikeGate", spike_gate=SpikeGate())
+    for ending, options in END_SCENARIOS.items():
+        for cls in (ModelCheckpoint, FiniteGradCheckpoint):
+            name = f"{cls.__name__}/{ending}"
+            scenarios[name] = lambda out, cls=cls, name=name, options=options: count_fit(
+                out, cls, name.replace("/", "-"), **options)
     run_scenarios(scenarios, sys.argv[1], set(sys.argv[2:]))
 
 

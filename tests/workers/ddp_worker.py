@@ -77,7 +77,9 @@ EMA_BEST = (VAL_TOPK[0] | dict(save_last=True), VAL_TOPK[1], VAL_TOPK[2])
 # epoch 1 improves: it writes the top-1 file, evicts epoch 0's and moves `last`
 TOP1_LAST = (dict(monitor="val_loss", save_top_k=1, save_last=True), VAL_TOPK[1],
              dict(val_losses=[10.0, 9.0, 8.0, 7.0], snapshot_steps=(3,)))
-CONFIGS = {"periodic": PERIODIC, "top1_last": TOP1_LAST, "val_topk": VAL_TOPK, "last": LAST_ONLY,
+# saves at global steps 3 and 6 of 8: steps 6 and 7 come after the last boundary, judged at train end
+TRAILING = (dict(every_n_train_steps=3, save_top_k=-1), dict(max_steps=8, limit_val_batches=0), {})
+CONFIGS = {"periodic": PERIODIC, "trailing": TRAILING, "top1_last": TOP1_LAST, "val_topk": VAL_TOPK, "last": LAST_ONLY,
            "unselected": UNSELECTED_THEN_SELECTED, "manual": MANUAL, "accumulate": ACCUMULATE, "ema_best": EMA_BEST}
 
 
@@ -238,6 +240,7 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
             root, n, "manual", z, True, (3,))
         table[f"{opt}-unselected-reject"] = lambda root, n=f"{opt}-unselected-reject", z=zero1: run(
             root, n, "unselected", z, True, (3,))
+    table["ddp-trailing-reject"] = lambda root: run(root, "ddp-trailing-reject", "trailing", False, True, (6,))
     # batch 4 is the first micro-batch of optimizer step 2, run under no_sync on rank 1 only
     table["ddp-accumulate-reject"] = lambda root: run(root, "ddp-accumulate-reject", "accumulate", False, True,
                                                       fault_batches=(4,))
