@@ -114,6 +114,7 @@ class GuardedFit:
         self._collected: tuple[Verdict, Sequence[int]] | None = None  # agreed with the vote, not yet applied
         self._written_before: tuple[Any, Any] = (None, None)  # the last write when this boundary started
         self._accepted_unpublished_at: int | None = None  # the step an unwritten boundary accepted the window at
+        self._should_stop_when_published = False  # `trainer.should_stop` when the rewind's checkpoint was published
         self._rewind_due: BoundaryReport | None = None  # a rejected write outside the boundaries rewinds at the next
         self._resumed_from: str | None = None  # the checkpoint this fit resumed from, as the storage resolved it
         self._setup_number = 0  # which set-up fit of this process this is (0: one driven by hand, never set up)
@@ -460,6 +461,7 @@ class GuardedFit:
         path = written[-1] if written else checkpoint._last_checkpoint_saved if wrote else None
         if path:  # a boundary that only moved a link wrote no state of this position
             self.rewind_log.note_published(path, Position.of(self.trainer))
+            self._should_stop_when_published = bool(self.trainer.should_stop)
 
     def _rewind(self, report: BoundaryReport) -> None:
         """Every rank restores the last published checkpoint together (the verdict decided, the same everywhere)."""
@@ -474,6 +476,9 @@ class GuardedFit:
         # the restored weights are the accepted ones: the next window starts clean, without the losses already given
         # for the step under way (they belong to the discarded weights)
         guard.reset(discard_step_under_way=True)
+        # a stop asked for since (EarlyStopping on the rejected validation's NaN, which runs before this hook) was
+        # decided on the discarded weights; a Timer whose time is up asks again at its next check
+        self.trainer.should_stop = self._should_stop_when_published
         self._restart_other_guards()
         rank_zero_warn(
             f"{report.message} Rewound in place (rewind {rewind.number} of at most {rewind_log.max_rewinds} in this "

@@ -216,18 +216,19 @@ class RewindLog:
             os.fsync(f.fileno())
 
 
-def _weight_averaging_callbacks(trainer: Any) -> list[Any]:
+def _callbacks_of_kind(trainer: Any, kind: str) -> list[Any]:
     # by class name, so either Lightning package's (and a version without them) needs no import here
-    return [c for c in trainer.callbacks if any(k.__name__ == "WeightAveraging" for k in type(c).__mro__)]
+    return [c for c in trainer.callbacks if any(k.__name__ == kind for k in type(c).__mro__)]
 
 
 def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     """Restore, in place and on every rank, the training state of the checkpoint at ``path``: the model weights, the
     optimizer state, the LR schedulers, the precision plugin's state and weight-averaging callbacks' state, in the
-    order Lightning restores them from ``ckpt_path``; then the gradients accumulated so far (micro-batches of a step
-    under way, computed from the discarded weights) are cleared, on every optimizer (DeepSpeed ZeRO-2's own buffers
-    included) and on the module. The loop progress is not restored: ``trainer.global_step`` goes on. Returns the
-    loaded checkpoint (what the strategy's load path returned).
+    order Lightning restores them from ``ckpt_path``, and ``EarlyStopping``'s (its patience and best score follow the
+    weights: the validations of the discarded ones count no more); then the gradients accumulated so far
+    (micro-batches of a step under way, computed from the discarded weights) are cleared, on every optimizer
+    (DeepSpeed ZeRO-2's own buffers included) and on the module. The loop progress is not restored:
+    ``trainer.global_step`` goes on. Returns the loaded checkpoint (what the strategy's load path returned).
 
     Every rank must call it at the same point: the strategy's load path may hold collectives (DeepSpeed's engine
     loads its partitions from the directory; FSDP2 reads its shards of a distributed checkpoint).
@@ -246,12 +247,12 @@ def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     module.on_load_checkpoint(checkpoint)
     strategy.load_model_state_dict(checkpoint, strict=module.strict_loading)
     callback_states: Mapping[Any, Any] = checkpoint.get("callbacks", {})
-    for callback in _weight_averaging_callbacks(trainer):
+    for callback in _callbacks_of_kind(trainer, "WeightAveraging"):
         # after the weights: it puts the live weights back from "current_model_state", as it does on resume
         callback.on_load_checkpoint(trainer, module, checkpoint)
-        state = callback_states.get(callback.state_key)
-        if state is not None:
-            callback.load_state_dict(state)
+        _load_callback_state(callback, callback_states)
+    for callback in _callbacks_of_kind(trainer, "EarlyStopping"):
+        _load_callback_state(callback, callback_states)
     precision = strategy.precision_plugin
     precision.on_load_checkpoint(checkpoint)
     if type(precision).__qualname__ in checkpoint:
@@ -265,6 +266,12 @@ def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     # kept, the next step would apply it to the restored ones
     _clear_gradients([*trainer.optimizers, module])
     return checkpoint
+
+
+def _load_callback_state(callback: Any, states: Mapping[Any, Any]) -> None:
+    state = states.get(callback.state_key)
+    if state is not None:
+        callback.load_state_dict(state)
 
 
 def _clear_gradients(owners: Iterable[Any]) -> None:

@@ -257,6 +257,32 @@ def test_a_subclass_of_each_class_behaves_alike(subclass, tmp_path, monkeypatch)
     assert not found, "\n".join(found)
 
 
+def removes_then_writes(base: type[ModelCheckpoint]) -> type[ModelCheckpoint]:
+    class RemovesThenWrites(base):  # type: ignore[valid-type,misc]  # clears a name before writing it again
+        def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+            if os.path.exists(filepath):
+                self._remove_checkpoint(trainer, filepath)
+            super()._save_checkpoint(trainer, filepath)
+    return RemovesThenWrites
+
+
+def test_a_subclass_removing_a_name_before_writing_it_again_keeps_the_newest_checkpoint(tmp_path, monkeypatch):
+    # one boundary removes the name and writes it anew: the new checkpoint is no eviction, the name keeps it
+    case = Case(dict(filename="fixed", save_top_k=-1, enable_version_counter=False, every_n_epochs=1),
+                trainer=dict(max_epochs=2, limit_train_batches=2, limit_val_batches=1))
+    plain = _observe(removes_then_writes(ModelCheckpoint), case, str(tmp_path / "plain"), monkeypatch)
+    guarded = _observe(removes_then_writes(FiniteGradCheckpoint), case, str(tmp_path / "guarded"), monkeypatch)
+    fixed = os.path.join("checkpoints", "fixed.ckpt")
+    assert _ckpt_files(plain) == [fixed] and plain["tree"][fixed]["content"]["global_step"] == 4, "the reference"
+    assert plain["io_removes"] == 1, "the case removes the name once, before the second epoch's write"
+    assert _ckpt_files(guarded) == [fixed], guarded["tree"].keys()
+    assert guarded["tree"][fixed]["content"]["global_step"] == 4  # the newest checkpoint, not the first epoch's
+    # left out: the checkpoint IO's removals. ModelCheckpoint removes the name before writing it; FiniteGradCheckpoint
+    # holds the removal until the boundary's writes succeeded, and a name written anew is no eviction
+    found = differences({**plain, "io_removes": None}, {**guarded, "io_removes": None})
+    assert not found, "\n".join(found)
+
+
 # ---------------------------------------------------------------------------------------------------- the classes
 
 

@@ -87,6 +87,43 @@ def test_one_nan_micro_batch_before_a_boundary_between_micro_batches_costs_one_r
     assert all(checkpoint_loads_finite(str(tmp_path / name)) for name in published)
 
 
+class LossesGiven(Callback):
+    """Each loss Lightning backpropagates, by batch index (what the callback gives a spike gate, read on the host)."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        self.losses[pl_module.batch_idx] = float(loss.detach())
+
+
+def test_a_rewind_between_micro_batches_leaves_the_restored_step_only_its_own_loss(tmp_path):
+    # the fit above with a loss spike gate: batch 8, the first micro-batch of step 4, gives a NaN loss (NaN weights);
+    # the rewind after it drops that loss with the weights, so step 4 is batch 9 alone, judged and learned as such
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=-1, filename="{step}",
+                                    on_non_finite="rewind", max_rewinds=1,
+                                    spike_gate=SpikeGate(measures=("loss",), warmup_steps=0, history=8))
+    given = LossesGiven()
+    model = FaultyModel(fault_batches=(7,), sanitize=False)
+    trainer = Trainer(max_epochs=1, limit_train_batches=12, val_check_interval=3, limit_val_batches=1,
+                      num_sanity_val_steps=0, callbacks=[given, callback], accumulate_grad_batches=2, **QUIET)
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(model)
+    (rewind,) = callback.rewinds
+    assert (rewind.global_step, os.path.basename(rewind.checkpoint)) == (4, "step=3.ckpt")
+    assert trainer.global_step == 6 and callback.rejection is None
+    assert torch.isnan(torch.tensor(given.losses[8]))  # the discarded micro-batch's loss
+    # the published windows' steps: 0-2 (step=1.ckpt, step=3.ckpt), then 4 and 5 (step=6.ckpt); step 3 was rejected
+    published_steps = [(0, 1), (2, 3), (4, 5), (9,), (10, 11)]
+    expected = [sum(given.losses[batch] for batch in batches) for batches in published_steps]
+    history = callback.state_dict()["spike_history"]["loss"]
+    assert len(history) == len(expected), history
+    assert all(torch.isfinite(torch.tensor(history)))
+    assert history == pytest.approx(expected, rel=1e-6)
+    assert history[3] == pytest.approx(given.losses[9], rel=1e-6)  # step 4: batch 9's own loss, not batch 8's too
+
+
 def test_restore_fabric_state_leaves_no_gradient_and_no_loss_of_the_step_under_way(tmp_path):
     fabric = Fabric(accelerator="cpu", devices=1)
     model = torch.nn.Linear(4, 2)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback, EarlyStopping
 from lightning.pytorch.plugins import MixedPrecision
 
 from helpers import QUIET, FaultyModel
@@ -147,6 +147,69 @@ def test_a_rejected_top_k_boundary_rewinds_and_the_top_k_goes_on(tmp_path):
     assert trainer.global_step == 8
     assert sorted(os.path.basename(p) for p in callback.best_k_models) == ["epoch=2.ckpt", "epoch=3.ckpt"]
     assert sorted(os.listdir(tmp_path)) == [REWIND_LOG_NAME, "epoch=2.ckpt", "epoch=3.ckpt"]
+
+
+class Regression(LightningModule):
+    """A linear regression whose validation loss comes from its weights (NaN once they are), on fixed batches; the
+    targets of train batch ``bad`` (within each epoch) are NaN."""
+
+    def __init__(self, bad: int) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.bad = bad
+
+    def _batches(self, count: int, bad: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        data = []
+        for index in range(count):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(index))
+            y = x.sum(dim=1, keepdim=True)
+            data.append((x, y * float("nan") if index == bad else y))
+        return data
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self._batches(20, self.bad), batch_size=None)
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self._batches(3), batch_size=None)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class EarlyStoppingAfterRewind(Callback):
+    """At the batch start right after each rewind: EarlyStopping's state against the file it went back to."""
+
+    def __init__(self, early_stopping: EarlyStopping) -> None:
+        self.early_stopping, self.checks = early_stopping, []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        rewinds = trainer.checkpoint_callback.rewinds
+        if len(rewinds) > len(self.checks):
+            stored = torch.load(rewinds[-1].checkpoint, weights_only=False)["callbacks"][self.early_stopping.state_key]
+            self.checks.append(self.early_stopping.state_dict() == stored and not trainer.should_stop)
+
+
+def test_a_rewind_undoes_what_early_stopping_decided_on_the_discarded_weights(tmp_path):
+    # EarlyStopping runs its validation-end check before the checkpoint callback: it sees the rejected validation's
+    # NaN val_loss (computed on the diverged weights) and asks the fit to stop; the rewind that follows goes back to
+    # weights on which it never decided that, so training goes on to max_epochs
+    seed_everything(0)
+    early_stopping = EarlyStopping(monitor="val_loss", patience=3)
+    probe = EarlyStoppingAfterRewind(early_stopping)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True,
+                                    on_non_finite="rewind")
+    trainer = Trainer(max_epochs=2, val_check_interval=5, callbacks=[probe, early_stopping, callback], **QUIET)
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(Regression(bad=12))
+    assert [(r.global_step, r.checkpoint_global_step) for r in callback.rewinds] == [(15, 10), (35, 30)]
+    assert trainer.global_step == 40 and early_stopping.stopped_epoch == 0
+    assert probe.checks == [True, True]
 
 
 def test_max_rewinds_zero_raises_at_the_first_rejection_and_seals(tmp_path):
