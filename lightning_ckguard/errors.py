@@ -357,19 +357,38 @@ class CheckpointRestoreError(_FailedOnRanks):
 
     The ranks whose load succeeded hold the checkpoint's state and the others do not (a sharded load that failed on
     some rank before its distributed checkpoint started changed no rank's state), so training must not go on as it
-    is: restore again on every rank, or stop.
+    is: restore again on every rank, or stop. The message says which case it is when ``world_size`` is known: one
+    process, a failure on every rank, or on some of them.
 
     Attributes:
-        ranks: Ranks whose load failed.
+        ranks: Ranks whose load failed (beyond eight ranks, the lowest of each eighth of the ranks).
         filepath: The checkpoint being restored.
         cause: The first failing rank's error, as text.
+        world_size: How many ranks restored together; None where the raiser did not say.
     """
 
-    _FIELDS = ("ranks", "filepath", "cause")
+    _FIELDS = ("ranks", "filepath", "cause", "world_size")
 
-    def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None) -> None:
-        super().__init__(ranks, filepath, cause, "Restoring", "The other ranks may have restored it, so the ranks "
-                         "may no longer hold the same state: restore again on every rank, or stop.")
+    def __init__(self, *, ranks: Sequence[int], filepath: str, cause: str | None, world_size: int | None = None
+                 ) -> None:
+        ranks = tuple(ranks)
+        self.world_size = world_size
+        super().__init__(ranks, filepath, cause, "Restoring", _restore_outcome(ranks, world_size))
+
+
+def _restore_outcome(ranks: tuple[int, ...], world_size: int | None) -> str:
+    """What a failed restore left, as far as the failing ranks and the world size tell."""
+    if world_size == 1:
+        left = "This process may hold part of the checkpoint's state (what it loaded before the failure)"
+        return f"{left}: restore again, or stop."
+    if world_size is None:  # neither one process nor a failure on every rank can be told from a failure on some
+        left = ("A rank where it failed may hold part of the checkpoint's state, and a rank where it did not may hold "
+                "all of it")
+    elif len(set(ranks)) >= world_size:
+        left = "It failed on every rank, and each may hold part of the checkpoint's state"
+    else:
+        left = "The other ranks may have restored it, so the ranks may no longer hold the same state"
+    return f"{left}: restore again on every rank, or stop."
 
 
 class StateCheckError(_RebuiltFromFields, RuntimeError):

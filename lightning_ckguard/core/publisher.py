@@ -145,7 +145,8 @@ class CheckpointPublisher:
         # rank 0 recovers what a crash left; no rank writes before that (the one collective here, which also tells
         # every rank of a failure of rank 0's, so that none raises alone)
         # its names never lie in a subdirectory: what another writer left in one is not its own to recover
-        storage.prepare(collective, self.dirpath, lambda: made, lambda message: warnings.warn(message, stacklevel=3),
+        # the warnings name the user's line that made the publisher: above the lambda, `prepare` and this constructor
+        storage.prepare(collective, self.dirpath, lambda: made, lambda message: warnings.warn(message, stacklevel=4),
                         owner="CheckpointPublisher", subdirectories=False)
 
     def _make_dirpath(self, fs: Any) -> Exception | None:
@@ -165,7 +166,8 @@ class CheckpointPublisher:
         """Whether this rank moves checkpoints into place (rank 0)."""
         return is_rank_zero(self.collective)
 
-    def save(self, name: str, state: dict[str, Any], *, global_step: int | None = None) -> Verdict | None:
+    def save(self, name: str | os.PathLike[str], state: dict[str, Any], *, global_step: int | None = None
+             ) -> Verdict | None:
         """Agree, write into staging, agree on the write, move into place; or raise on every rank.
 
         Call it on every rank at the same point, with the same ``name``. Returns the guard's verdict (None without a
@@ -203,7 +205,8 @@ class CheckpointPublisher:
         moves it into place, and the move's outcome is agreed right away (a Trainer's fit lets it ride in the next
         agreement; a loop of its own may not agree again); on object storage the upload is the publication."""
         writer = self._writer
-        self._release_kept_copies()  # the previous save's, kept for readers until now
+        # the previous save's, kept for readers until now; a failure is warned at `save`'s caller
+        self._release_kept_copies(stacklevel=4)
         # a name this save makes is removed again if the write fails (rank 0; an upload is whole or absent)
         local = self.is_global_zero and self._storage.stages_writes
         existed = local and os.path.lexists(path)
@@ -227,14 +230,16 @@ class CheckpointPublisher:
         Call it when the loop is done, on every rank (no collective); a ``save`` after it works as before."""
         self._release_kept_copies()
 
-    def _release_kept_copies(self) -> None:
+    def _release_kept_copies(self, stacklevel: int = 3) -> None:
+        """Remove the copies kept for readers (rank 0); a failure is a warning at ``stacklevel`` (3: the caller of the
+        public method that called this one)."""
         kept, self._kept = self._kept, []
         try:
             for path in kept:
                 self._storage.release_retired(path)
         except OSError as error:  # rank 0 alone: a warning, never an error the other ranks would not raise
             warnings.warn(f"CheckpointPublisher could not remove the copies kept for readers in {self.dirpath}: "
-                          f"{error}", stacklevel=3)
+                          f"{error}", stacklevel=stacklevel)
 
     def _write_agreed(self, staging: str, flush: Flush, state: dict[str, Any], path: str) -> None:
         held = HeldWriteFailure()  # as under the callback: every rank learns of it in the agreement below

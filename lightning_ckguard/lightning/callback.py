@@ -125,8 +125,7 @@ class GuardedCheckpoint(_CheckpointBase):
         super().__init__(**{name: arguments[name] for name in validation.MODEL_CHECKPOINT_ARGUMENTS})
         self.on_non_finite: NonFinitePolicy = on_non_finite
         self.count_skipped_steps, self.max_rewinds, self.durable = count_skipped_steps, max_rewinds, durable
-        self.spike_gate = spike_gate
-        self._decisions = Decisions()
+        self.spike_gate, self._decisions = spike_gate, Decisions()
         self._fit: GuardedFit | None = None  # from setup to teardown
 
     @property
@@ -136,8 +135,7 @@ class GuardedCheckpoint(_CheckpointBase):
 
     @property
     def last_report(self) -> BoundaryReport | None:
-        """What the most recent agreement (boundary or manual save) decided, the same on every rank; its
-        ``message`` is the line the callback warns with."""
+        """What the most recent agreement decided, the same on every rank; its ``message`` is the warning's line."""
         return self._decisions.last_report
 
     @property
@@ -174,6 +172,11 @@ class GuardedCheckpoint(_CheckpointBase):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The guard (parameter identities are final now), with ``"rewind"`` the rewind log; a new fit is unsealed."""
         self._fit_for(trainer).start_fitting(pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``ModelCheckpoint``'s; then where training starts, a resumed fit's loops restored by now."""
+        super().on_train_start(trainer, pl_module)
+        self._fit_for(trainer).start_training()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """With a spike gate, the loss joins its step (device-side), before any boundary can judge the step."""
@@ -228,8 +231,7 @@ class GuardedCheckpoint(_CheckpointBase):
         if (transaction := own_transaction(self)) is not None:  # our boundary's write (a subclass's own too)
             transaction.admit()  # agreed first: a no-op after the boundary's first file operation
             return True
-        if self._fit is None or self._fit.trainer is not trainer:
-            # a Trainer this callback has since left: it records nothing for it any more, but a rejection stands
+        if self._fit is None or self._fit.trainer is not trainer:  # a Trainer it left: a rejection still stands
             if self._decisions.rejection is not None:
                 raise self._decisions.rejection
             return True
@@ -256,13 +258,12 @@ class GuardedCheckpoint(_CheckpointBase):
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         self._fit_for(trainer).remove(filepath, own_transaction(self))
 
-    def _remove_for_real(self, trainer: pl.Trainer, filepath: str) -> None:
-        """``ModelCheckpoint``'s own removal."""
+    def _remove_for_real(self, trainer: pl.Trainer, filepath: str) -> None:  # ModelCheckpoint's own removal
         super()._remove_checkpoint(trainer, filepath)
 
     def _monitor_candidates(self, trainer: pl.Trainer) -> dict[str, Tensor]:
-        """``ModelCheckpoint``'s candidates, after every rank voted on the monitored value (one collective): the key
-        is then present on every rank or removed on every rank, so no rank branches alone."""
+        """``ModelCheckpoint``'s, after every rank voted on the monitored value (one collective): no rank branches
+        alone on whether it has the key."""
         candidates = super()._monitor_candidates(trainer)
         if self.monitor is not None and self._fit_for(trainer).take_vote(candidates.get(self.monitor)).missing_ranks:
             candidates.pop(self.monitor, None)
@@ -276,8 +277,7 @@ class GuardedCheckpoint(_CheckpointBase):
         return vote.improves
 
     def file_exists(self, filepath: _PATH, trainer: pl.Trainer) -> bool:
-        """``ModelCheckpoint.file_exists``; on object storage a look that fails on rank 0 raises on every rank instead
-        of leaving the others in the reduction."""
+        """``ModelCheckpoint.file_exists``; on object storage a look that fails on rank 0 raises on every rank."""
         fallback = partial(super().file_exists, filepath, trainer)
         return bool(self._fit_for(trainer).storage.file_exists(trainer.strategy, str(filepath), fallback))
 

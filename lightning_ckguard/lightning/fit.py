@@ -167,7 +167,7 @@ class GuardedFit:
         if checkpoint.on_non_finite == "rewind":  # every fit counts its rewinds from zero, resumed or not
             limit = DEFAULT_MAX_REWINDS if checkpoint.max_rewinds is None else checkpoint.max_rewinds
             log_dir = self.storage.rewind_log_dir(_dirpath(checkpoint))
-            decisions.rewind_log = RewindLog(limit, log_dir, Position.of(trainer))
+            decisions.rewind_log = RewindLog(limit, log_dir, Position.of(trainer))  # its start: `start_training`
         if decisions.rejection is not None:
             resumed = trainer.ckpt_path is not None
             rank_zero_info(
@@ -177,6 +177,13 @@ class GuardedFit:
             )
             decisions.rejection = None
             self.guard.reset(pending_rejection=not resumed)
+
+    def start_training(self) -> None:
+        """At ``on_train_start``, where the loops stand once a resumed fit restored them: the rewind log's first window
+        starts here, and the checkpoint a fit resumed from is the one a rewind goes back to until the fit publishes
+        one of its own."""
+        if self.rewind_log is not None:
+            self.rewind_log.start_at(Position.of(self.trainer), self.resumed_from())
 
     def resumed_from(self) -> str | None:
         """The checkpoint this fit resumed from, never to be evicted: as resolved at the fit's start (the file a

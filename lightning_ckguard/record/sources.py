@@ -9,6 +9,7 @@ round). :func:`lightning_ckguard.record.source_selection.gradient_source_for` pi
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from itertools import chain
 from typing import Any, Protocol
 
@@ -53,22 +54,40 @@ ZERO3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partit
 #: ZeRO-1/2 (the reduced partitions), ZeRO-3 and bf16 optimizers. ``param.grad`` holds nothing of what they apply.
 _GRADIENTS_OUTSIDE_PARAMS = (("averaged_gradients", "params_in_partition"), (ZERO3_GRAD_PARTITIONS,),
                              ("fp32_groups_gradients", "bf16_groups"))
+#: Attributes by which a parameter those optimizers manage is known, read without the optimizer: DeepSpeed links each
+#: one to its ZeRO-1/2 or bf16 optimizer's partition (``_hp_mapping``, on every parameter of theirs) or partitions it
+#: under ZeRO-3 (``ds_id``). ZeRO-0's plain optimizers set neither: their gradients are in ``param.grad``.
+_PARAMETERS_WITH_GRADIENTS_OUTSIDE = ("_hp_mapping", "ds_id")
 
 
-def _refuse_gradients_kept_elsewhere(optimizer: Any) -> None:
-    """Raise rather than read nothing, step after step, from an optimizer that keeps its gradients elsewhere (itself,
-    or inside Fabric's or Lightning's wrapper).
+def _keeps_gradients_outside(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (itself, or inside Fabric's or Lightning's wrapper) is one of those optimizers."""
+    candidates = (optimizer, getattr(optimizer, "optimizer", None), getattr(optimizer, "_optimizer", None))
+    return any(all(hasattr(candidate, name) for name in names)
+               for candidate in candidates for names in _GRADIENTS_OUTSIDE_PARAMS)
+
+
+def _refuse_gradients_kept_elsewhere(optimizer: Any | None, module: nn.Module | None = None,
+                                     params: Iterable[Tensor] = ()) -> None:
+    """Raise rather than read nothing, step after step, where DeepSpeed keeps the gradients: ``optimizer`` is one of
+    its ZeRO optimizers or, read without one (``optimizer`` None), ``params`` (``module``'s) are managed by one.
 
     Raises:
-        ValueError: For such an optimizer.
+        ValueError: For such an optimizer, or such parameters.
     """
-    for candidate in (optimizer, getattr(optimizer, "optimizer", None), getattr(optimizer, "_optimizer", None)):
-        if any(all(hasattr(candidate, name) for name in names) for names in _GRADIENTS_OUTSIDE_PARAMS):
-            raise ValueError(
-                f"`{type(optimizer).__name__}` applies gradients it keeps outside `param.grad` (DeepSpeed ZeRO), where "
-                "this guard reads them: build `GradientGuard` on the model `fabric.setup` returned (it then reads "
-                "DeepSpeed's partitions), or pass `source=`."
-            )
+    if optimizer is not None:
+        if not _keeps_gradients_outside(optimizer):
+            return
+        subject = f"`{type(optimizer).__name__}` applies gradients it keeps"
+    elif any(hasattr(param, name) for param in params for name in _PARAMETERS_WITH_GRADIENTS_OUTSIDE):
+        subject = (f"The parameters of `{type(module).__name__}` are DeepSpeed's: its optimizer applies gradients it "
+                   "keeps")
+    else:
+        return
+    raise ValueError(
+        f"{subject} outside `param.grad` (DeepSpeed ZeRO), where this guard reads them: build `GradientGuard` on the "
+        "model `fabric.setup` returned (it then reads DeepSpeed's partitions), or pass `source=`."
+    )
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
@@ -183,6 +202,9 @@ class ParameterGradients:
         self._module = weakref.ref(module)
         self._module_params: tuple[tuple[int, ...], list[tuple[int, Tensor]]] = ((), [])
         self._params_of_module()
+        # the layout (``_module_params``' key) whose parameters were last found not to be DeepSpeed's: checked at the
+        # first read without an optimizer after it changed (the engine may be made after this guard), not every step
+        self._checked_layout: tuple[int, ...] | None = None
         # per optimizer: (its parameters' ids when cached, [(index, param)]); rebuilt when they change. Held weakly, by
         # the optimizer itself: a new optimizer at a dead one's address (its id) must not read the dead one's params
         self._optimizer_params: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], list[tuple[int, Tensor]]]] = (
@@ -202,6 +224,18 @@ class ParameterGradients:
             self._parameters.add_module_parameters(module)  # the new ones under their names
             self._module_params = (key, [self._indexed(p) for p in module.parameters()])
         return self._module_params[1]
+
+    def _params_to_read(self, optimizer: Any | None) -> list[tuple[int, Tensor]]:
+        """``optimizer``'s parameters, or the module's, refused where DeepSpeed keeps their gradients (a
+        ``ValueError`` from :func:`_refuse_gradients_kept_elsewhere`)."""
+        if optimizer is not None:
+            return self._params_of(optimizer)
+        params = self._params_of_module()
+        layout = self._module_params[0]
+        if layout is not self._checked_layout:  # once per layout: attribute lookups only, no tensor is read
+            _refuse_gradients_kept_elsewhere(None, self._module(), (param for _, param in params))
+            self._checked_layout = layout
+        return params
 
     def _params_of(self, optimizer: Any) -> list[tuple[int, Tensor]]:
         groups = optimizer.param_groups
@@ -226,7 +260,7 @@ class ParameterGradients:
 
     def local_gradients(self, optimizer: Any | None = None) -> tuple[tuple[int, ...], list[Tensor]]:
         """``param.grad`` (its local shard for a DTensor) of every parameter ``optimizer`` steps that has one."""
-        params = self._params_of_module() if optimizer is None else self._params_of(optimizer)
+        params = self._params_to_read(optimizer)
         indices: list[int] = []
         grads: list[Tensor] = []
         sharded = False

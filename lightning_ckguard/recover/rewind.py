@@ -133,6 +133,13 @@ class RewindLog:
         self.published: tuple[str, Position] | None = None
         self._window_start = start
 
+    def start_at(self, at: Position, resumed_from: str | None) -> None:
+        """Training starts at ``at`` (a resumed fit's loops restored). A fit resumed from ``resumed_from`` goes back
+        there until it published a checkpoint of its own: it is the last good state this fit started from."""
+        self._window_start = at
+        if resumed_from is not None and self.published is None:
+            self.published = (resumed_from, at)
+
     def note_published(self, path: str, at: Position) -> None:
         """A checkpoint this callback published (accepted and written) at ``at``: the next rewind goes back to it."""
         self.published = (path, at)
@@ -380,7 +387,8 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
             fabric.barrier()  # where the others' `fabric.load` ends (a load fails before it: reading the file)
     failed = agree_on_failure(fabric.strategy, failure)
     if failed.ranks:
-        raise CheckpointRestoreError(ranks=failed.ranks, filepath=str(path), cause=failed.cause) from failure
+        raise CheckpointRestoreError(ranks=failed.ranks, filepath=str(path), cause=failed.cause,
+                                     world_size=fabric.world_size) from failure
     _clear_gradients(state.values())  # only once every rank loaded: the agreement above is the only collective
     if guard is not None:
         # the restored weights are the accepted ones: the next window starts clean, without the step under way; a

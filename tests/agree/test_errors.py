@@ -42,6 +42,7 @@ ERRORS = [
     pytest.param(lambda: _write_failure(cause=None), id="CheckpointWriteError-no-cause"),
     pytest.param(_restore_failure, id="CheckpointRestoreError"),
     pytest.param(lambda: _restore_failure(cause=None), id="CheckpointRestoreError-no-cause"),
+    pytest.param(lambda: _restore_failure(world_size=4), id="CheckpointRestoreError-world-size"),
     pytest.param(_state_check_failure, id="StateCheckError"),
 ]
 
@@ -74,6 +75,7 @@ def test_a_copy_equals_the_original(make, duplicate):
     (_restore_failure, dict(ranks=[1])),
     (_restore_failure, dict(filepath="/ckpts/other.ckpt")),
     (_restore_failure, dict(cause=None)),
+    (_restore_failure, dict(world_size=2)),
     (_state_check_failure, dict(ranks=[0, 1])),
     (_state_check_failure, dict(global_step=6)),
     (_state_check_failure, dict(cause=None)),
@@ -98,7 +100,8 @@ def test_equal_errors_are_interchangeable_as_keys():
 
 def test_a_copy_keeps_every_field():
     """Rebuilt from its fields: each one comes back, not only an equal key."""
-    for error in (_write_failure(removal=True), _restore_failure(), _state_check_failure()):
+    for error in (_write_failure(removal=True), _restore_failure(), _restore_failure(world_size=1),
+                  _state_check_failure()):
         twin = pickle.loads(pickle.dumps(error))
         assert type(twin) is type(error) and vars(twin) == vars(error) and twin.args == error.args
 
@@ -106,3 +109,22 @@ def test_a_copy_keeps_every_field():
 def test_write_and_restore_failures_of_the_same_fields_differ():
     write = _write_failure()
     assert write != _restore_failure(ranks=write.ranks, filepath=write.filepath, cause=write.cause)
+
+
+@pytest.mark.parametrize(("ranks", "world_size", "says", "never"), [
+    pytest.param([0], 1, "This process may hold part of the checkpoint's state", "other ranks", id="one-process"),
+    pytest.param([0, 1], 2, "It failed on every rank, and each may hold part", "other ranks", id="every-rank"),
+    pytest.param([1], 2, "The other ranks may have restored it, so the ranks may no longer hold the same state",
+                 "every rank, and", id="some-ranks"),
+    pytest.param([0], None, "A rank where it failed may hold part of the checkpoint's state, and a rank where it did "
+                 "not may hold all of it", "other ranks", id="world-size-unknown"),
+])
+def test_a_restore_failure_says_what_the_ranks_hold_as_far_as_it_knows(ranks, world_size, says, never):
+    """One process has no other ranks, and when every rank failed none restored it: the message says so, and without
+    the world size (a caller of an earlier release) it claims neither."""
+    fields = {} if world_size is None else {"world_size": world_size}
+    message = str(_restore_failure(ranks=ranks, **fields))
+    assert says in message and never not in message, message
+    rank_words = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    assert message.startswith(f"Restoring the checkpoint /ckpts/last.ckpt failed on {rank_words}: "), message
+    assert message.endswith("restore again, or stop." if world_size == 1 else "restore again on every rank, or stop.")

@@ -204,6 +204,12 @@ def test_a_path_like_name_is_published_under_its_string(tmp_path):
         CheckpointPublisher(None, tmp_path).save(Path("sub") / "step=2.ckpt", {"step": 2})
 
 
+def test_the_signature_of_save_says_a_path_like_name_is_taken():
+    import typing
+
+    assert typing.get_type_hints(CheckpointPublisher.save)["name"] == str | os.PathLike[str]
+
+
 @pytest.mark.parametrize("name", [5, None, b"step=1.ckpt", ["step=1.ckpt"]], ids=["int", "None", "bytes", "list"])
 def test_a_name_that_is_no_string_is_a_value_error(tmp_path, name):
     with pytest.raises(ValueError, match="name"):
@@ -392,3 +398,34 @@ def test_the_recovery_at_construction_leaves_what_another_writer_left_in_a_subdi
         CheckpointPublisher(None, tmp_path)
     assert all(path.exists() for path in theirs), "the recovery reached into a subdirectory"
     assert not (tmp_path / ".a.pt.ckguard-staging").exists() and len(caught) == 1
+
+
+def test_the_recoverys_warnings_name_the_line_that_made_the_publisher(tmp_path):
+    """Not a line of the package's own: the warning points at the caller, where ``dirpath`` was given."""
+    (tmp_path / ".a.ckpt.ckguard-staging").write_bytes(b"partial")
+    (tmp_path / "b.ckpt").write_bytes(b"published")
+    (tmp_path / ".b.ckpt.ckguard-retired").write_bytes(b"replaced")
+    with pytest.warns(UserWarning, match="CheckpointPublisher") as caught:
+        CheckpointPublisher(None, tmp_path)
+    assert len(caught) == 2 and [warning.filename for warning in caught] == [__file__] * 2, [
+        (warning.filename, warning.lineno) for warning in caught]
+
+
+def test_a_kept_copy_that_cannot_be_removed_is_warned_at_the_line_of_save_or_close(tmp_path, monkeypatch):
+    publisher = CheckpointPublisher(None, tmp_path)
+    for _ in range(2):
+        publisher.save("last.ckpt", {"value": torch.tensor(1.0)})  # the second replaces it: a copy is kept
+
+    release = publisher._storage.release_retired
+
+    def refused_once(path: str) -> None:  # the publisher's own release; the writer's, later in the save, goes on
+        monkeypatch.setattr(publisher._storage, "release_retired", release)
+        raise PermissionError(f"refused: {path}")
+
+    monkeypatch.setattr(publisher._storage, "release_retired", refused_once)
+    with pytest.warns(UserWarning, match="could not remove the copies kept for readers") as at_save:
+        publisher.save("last.ckpt", {"value": torch.tensor(2.0)})
+    monkeypatch.setattr(publisher._storage, "release_retired", refused_once)
+    with pytest.warns(UserWarning, match="could not remove the copies kept for readers") as at_close:
+        publisher.close()
+    assert [warning.filename for warning in [*at_save, *at_close]] == [__file__] * 2

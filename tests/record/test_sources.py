@@ -1,11 +1,18 @@
 """Gradient sources without a process group: DeepSpeed's partitions read from a stand-in engine, which source a
 strategy gets, the parameters ``param.grad`` is read from as the module and its optimizers change, and the names of a
-``torch.compile``d module's parameters."""
+``torch.compile``d module's parameters. Only the guard on a bare module under Fabric's DeepSpeed (CPU shim) runs one
+rank's process group, made for each test and taken down after it."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -264,3 +271,95 @@ def test_a_compiled_modules_parameters_are_named_as_the_modules_own_in_a_rejecti
     error = guard.agree(None, state={"model": compiled}).to_error()
     assert error.parameters == ("1.weight",)
     assert error.non_finite_state == ((0, "model: parameter 0.bias"),)
+
+
+@contextlib.contextmanager
+def _one_process_deepspeed_fabric(stage: int) -> Iterator[Any]:
+    """Fabric's DeepSpeed (on CPU, ``tests/deepspeed_shim.py``) in this process, as one rank: its process group, the
+    environment variables its launcher sets and the thread count it changes are taken down after the test."""
+    import torch.distributed as dist
+
+    deepspeed_shim = pytest.importorskip("deepspeed_shim")
+    from lightning.fabric import Fabric
+
+    assert not dist.is_initialized()
+    threads = torch.get_num_threads()
+    strategy = deepspeed_shim.CPUFabricDeepSpeedStrategy(config=deepspeed_shim.deepspeed_config(stage, "32-true"),
+                                                         timeout=timedelta(seconds=30))
+    with mock.patch.dict(os.environ):
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
+        try:
+            fabric.launch()
+            yield fabric
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            torch.set_num_threads(threads)
+            # DeepSpeed keeps the world group it cloned: an engine made later in this process must clone the next one
+            groups = importlib.import_module("deepspeed.utils.groups")
+            if hasattr(groups, "_WORLD_GROUP"):
+                groups._WORLD_GROUP = None
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(deepspeed_missing() is not None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("built", ["before-setup", "after-setup"])
+def test_a_guard_on_the_bare_module_under_deepspeed_refuses_record_without_an_optimizer(stage, built):
+    """ZeRO keeps the gradients in its optimizer's partitions and ``param.grad`` stays None: a guard on the module
+    itself, not on what ``fabric.setup`` returned, counted the step and accepted a NaN in it. Now ``record()``
+    raises, naming what to build the guard on, and records nothing, at every step; the guard on what ``fabric.setup``
+    returned rejects the NaN."""
+    from lightning_ckguard import GradientGuard
+
+    with _one_process_deepspeed_fabric(stage) as fabric:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        bare = GradientGuard(net) if built == "before-setup" else None
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        bare = bare or GradientGuard(net)
+        inputs = torch.randn(4, 4)
+        inputs[0, 0] = float("nan")
+        fabric.backward(model(inputs).pow(2).mean())
+        for _ in range(2):
+            with pytest.raises(ValueError, match="build `GradientGuard` on the model `fabric.setup` returned"):
+                bare.record()
+        assert bare.steps_recorded == 0
+        guard = GradientGuard(model)
+        guard.record(optimizer)
+        assert not guard.agree(fabric.strategy).accepted
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(deepspeed_missing() is not None, reason="DeepSpeed is not installed")
+def test_under_deepspeed_zero_0_a_guard_on_the_bare_module_reads_param_grad_and_rejects_a_nan():
+    """ZeRO-0 leaves the reduced gradients in ``param.grad``: nothing to refuse there."""
+    from lightning_ckguard import GradientGuard
+
+    with _one_process_deepspeed_fabric(0) as fabric:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        model, _ = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        bare = GradientGuard(net)
+        inputs = torch.randn(4, 4)
+        inputs[0, 0] = float("nan")
+        fabric.backward(model(inputs).pow(2).mean())
+        bare.record()
+        assert not bare.agree(fabric.strategy).accepted
+
+
+def test_without_deepspeed_a_module_is_checked_once_per_layout():
+    """Whether DeepSpeed keeps the gradients is looked up (attributes only) at the first read of each layout of the
+    module's parameters, not at the steps after it."""
+    from lightning_ckguard import GradientGuard
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    guard = GradientGuard(model)
+    model(torch.randn(3, 2)).sum().backward()
+    guard.record()
+    with mock.patch("lightning_ckguard.record.sources._refuse_gradients_kept_elsewhere") as check:
+        for _ in range(3):
+            guard.record()
+        assert check.call_count == 0
+        model.append(torch.nn.Linear(2, 1))
+        guard.record()
+        assert check.call_count == 1
+    assert guard.steps_recorded == 5

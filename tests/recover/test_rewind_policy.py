@@ -91,7 +91,8 @@ class AfterRewind(Callback):
             "adam_step": float(optimizer["state"][0]["step"]),
             "scheduler": scheduler.state_dict() == stored["lr_schedulers"][0],
             "scheduler_epoch": scheduler.last_epoch,
-            "scaler": trainer.precision_plugin.scaler.state_dict() == stored["MixedPrecision"],
+            "scaler": getattr(trainer.precision_plugin, "scaler", None) is None
+            or trainer.precision_plugin.scaler.state_dict() == stored["MixedPrecision"],
         })
 
 
@@ -210,6 +211,33 @@ def test_a_rewind_undoes_what_early_stopping_decided_on_the_discarded_weights(tm
     assert [(r.global_step, r.checkpoint_global_step) for r in callback.rewinds] == [(15, 10), (35, 30)]
     assert trainer.global_step == 40 and early_stopping.stopped_epoch == 0
     assert probe.checks == [True, True]
+
+
+def test_a_resumed_fit_rewinds_to_the_checkpoint_it_resumed_from_until_it_publishes_one(tmp_path):
+    # the first fit publishes steps 4 and 8; the second resumes from step 8's and is hit at step 9, before its first
+    # boundary (12): it goes back to where it started, rather than refusing (nothing of its own published yet)
+    def fit(max_steps: int, ckpt_path: str | None, fault_steps: tuple[int, ...]) -> tuple[Any, Any, Any]:
+        seed_everything(0)
+        callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}",
+                                        on_non_finite="rewind")
+        probe = AfterRewind()
+        trainer = Trainer(max_steps=max_steps, limit_val_batches=0, callbacks=[probe, callback], **QUIET)
+        trainer.fit(AdamModel(fault_steps=fault_steps, sanitize=False, lr=0.01), ckpt_path=ckpt_path)
+        return trainer, callback, probe
+
+    fit(8, None, ())
+    with pytest.warns(UserWarning, match="Rewound in place.*step=8.ckpt"):
+        trainer, callback, probe = fit(16, str(tmp_path / "step=8.ckpt"), (9,))
+    (rewind,) = callback.rewinds
+    assert (os.path.basename(rewind.checkpoint), rewind.checkpoint_global_step, rewind.global_step) == (
+        "step=8.ckpt", 8, 12)
+    assert rewind.discarded_steps == (8, 11) and rewind.skipped_batches == (8, 11)
+    (check,) = probe.checks
+    assert check["weights"] and check["optimizer"] and check["scheduler"], check
+    assert trainer.global_step == 16 and callback.rejection is None
+    assert sorted(os.listdir(tmp_path)) == [REWIND_LOG_NAME, "step=16.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    stored = torch.load(tmp_path / "step=16.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.isfinite(value).all() for value in stored.values())
 
 
 def test_max_rewinds_zero_raises_at_the_first_rejection_and_seals(tmp_path):
