@@ -25,10 +25,12 @@ Every tensor is this rank's own part, read where the strategy keeps it, with no 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_ckguard.record.sources import _local_tensor, unwrap_module
@@ -103,7 +105,8 @@ def _deepspeed_master_partitions(optimizer: Any) -> list[Tensor] | None:
 def _state_tensors(value: Any, path: str = "") -> Iterator[NamedTensor]:
     """The checkable tensors of one parameter's optimizer state, by their path in it: ``exp_avg``, and inside lists,
     tuples and mappings (``torch.optim.LBFGS`` keeps its history as lists: ``old_dirs[3]``); step counters left out at
-    any depth, and anything that is not a tensor (LBFGS's ``n_iter``)."""
+    any depth, and counts (LBFGS's ``n_iter``). A Python float kept there (LBFGS's ``prev_loss``) is written as it is,
+    so it is checked on the host: only a non-finite one becomes a tensor, for the check to name."""
     if isinstance(value, Mapping):
         for key, item in value.items():
             if key not in _STEP_COUNTERS:
@@ -115,6 +118,8 @@ def _state_tensors(value: Any, path: str = "") -> Iterator[NamedTensor]:
         local = _local(value)
         if _checkable(local):
             yield path, local
+    elif isinstance(value, float) and not math.isfinite(value):
+        yield path, torch.tensor(value, dtype=torch.float64)
 
 
 def optimizer_state(

@@ -126,6 +126,13 @@ def test_optimizer_state_held_in_lists_is_checked_and_named_by_its_place():
     assert StateCheck().non_finite(named_state(state)) == ["optimizer: old_dirs[1] of 0.weight"]
     verdict = GradientGuard(model).agree(state={"model": model, "optimizer": optimizer})
     assert not verdict.accepted and verdict.non_finite_state == ((0, "optimizer: old_dirs[1] of 0.weight"),)
+    # a number it keeps on the host is written as it is: a NaN there is named too
+    with torch.no_grad():
+        optimizer.state[model[0].weight]["old_dirs"][1][2] = 0.0
+    optimizer.state[model[0].weight]["prev_loss"] = float("nan")
+    assert StateCheck().non_finite(named_state(state)) == ["optimizer: prev_loss of 0.weight"]
+    optimizer.state[model[0].weight]["prev_loss"] = 1e300  # finite, however large
+    assert StateCheck().non_finite(named_state(state)) == []
 
 
 def test_optimizer_state_in_tuples_and_mappings_is_checked_but_their_step_counters_are_not():
