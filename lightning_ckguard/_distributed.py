@@ -12,6 +12,7 @@ this one.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -225,53 +226,68 @@ class PeerFailedFirst(Exception):
 
 
 class DistributedCheckpointMeeting:
-    """One agreement that every rank joins right before ``torch.distributed.checkpoint``'s ``save`` (or ``load``)
-    starts its collectives, for the duration of one sharded save or load (a ``with`` block).
+    """Agreements every rank joins right before each ``torch.distributed.checkpoint`` ``save`` (or ``load``) call of
+    one sharded save or load (a ``with`` block), and with ``until_barrier`` in place of the strategy barrier that
+    ends it (Fabric's load ends with one).
 
-    A sharded strategy first prepares each rank's part on its own (the modules' state dicts offloaded to the CPU, your
-    objects' ``state_dict()``), and only then enters the distributed checkpoint's collectives. A rank whose
-    preparation failed would leave its peers waiting in those until the collective timeout. Instead it joins them at
-    the meeting (:meth:`settle`), every rank learns of the failure there, and no rank starts the distributed
-    checkpoint: the peers leave it with :class:`PeerFailedFirst`. Every rank meets once per block: inside the call,
-    or at :meth:`settle` when its save or load ended without reaching one. Without peers, or not ``enabled``, nothing
-    is patched and nothing meets. ``torch.distributed.checkpoint.<function>`` is replaced for the block's duration:
-    Lightning's strategies look it up at each call.
+    A sharded strategy prepares each rank's part on its own (the modules' and optimizers' state dicts offloaded to the
+    CPU, your objects' ``state_dict()``) before each of the distributed checkpoint's calls, and those calls are
+    collective. A rank whose preparation failed would leave its peers waiting in the next call until the collective
+    timeout. Instead it joins them at their next meeting point (:meth:`settle`), every rank learns of the failure
+    there, and no rank goes past it: the peers leave with :class:`PeerFailedFirst`. The block's last point is the
+    barrier, or without one its first distributed checkpoint call (what follows a save, the agreement on its outcome,
+    hears of any later failure); a rank past its last point settles without meeting. Only the thread that entered the
+    block meets (the replaced functions are module globals): other threads call through. Without peers, or not
+    ``enabled``, nothing is replaced and nothing meets.
     """
 
-    def __init__(self, strategy: Any, function: str, enabled: bool) -> None:
-        self._strategy, self._function = strategy, function
+    def __init__(self, strategy: Any, function: str, enabled: bool, until_barrier: bool = False) -> None:
+        self._strategy, self._function, self._until_barrier = strategy, function, until_barrier
         self.enabled = enabled and is_multiprocess(strategy)
-        self._met = False
+        self._done = False  # past the block's last meeting point, or a failure met at one
         self._found = Failures(())
+        self._thread = threading.get_ident()
 
     def __enter__(self) -> DistributedCheckpointMeeting:
         self._stack = ExitStack()
+        self._thread = threading.get_ident()
         if self.enabled:
             import torch.distributed.checkpoint as dcp
 
-            run = getattr(dcp, self._function)
-
-            def meeting_first(*args: Any, **kwargs: Any) -> Any:
-                if not self._met and self._meet(None).ranks:
-                    raise PeerFailedFirst(f"rank {self._found.ranks[0]} failed before the distributed checkpoint: "
-                                          f"{self._found.cause}")
-                return run(*args, **kwargs)
-
-            self._stack.enter_context(replaced_attribute(dcp, self._function, meeting_first))
+            self._meet_before(dcp, self._function, last=not self._until_barrier)
+            if self._until_barrier:
+                self._meet_before(self._strategy, "barrier", last=True, instead=True)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._stack.close()
 
+    def _meet_before(self, owner: Any, name: str, last: bool, instead: bool = False) -> None:
+        """Replace ``owner.name`` for the block: meet first (or, ``instead``, only meet), then call it."""
+        run = getattr(owner, name)
+
+        def meeting_first(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._thread:
+                return run(*args, **kwargs)
+            if not self._done:
+                self._done = last  # before the collective: a rank whose meeting itself failed never meets twice
+                if self._meet(None).ranks:
+                    self._done = True
+                    raise PeerFailedFirst(f"rank {self._found.ranks[0]} failed during the distributed checkpoint's "
+                                          f"{self._function}: {self._found.cause}")
+            return None if instead else run(*args, **kwargs)
+
+        self._stack.enter_context(replaced_attribute(owner, name, meeting_first))
+
     def _meet(self, failure: BaseException | None) -> Failures:
-        self._met = True  # before the collective: a rank whose meeting itself failed never meets twice
         self._found = agree_on_failure(self._strategy, failure)
         return self._found
 
     def settle(self, failure: BaseException | None) -> bool:
-        """Meet now, with this rank's ``failure`` (or None), if its save or load ended without meeting; return whether
-        the meeting found a failure on some rank (then no rank went past it)."""
-        if self.enabled and not self._met:
+        """Join the peers at their next meeting point, with this rank's ``failure`` (or None), if this rank left the
+        block before its last one; return whether a meeting found a failure on some rank (then no rank went on)."""
+        if self.enabled and not self._done:
+            self._done = True
             self._meet(failure)
         return bool(self._found.ranks)
 

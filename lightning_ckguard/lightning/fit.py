@@ -46,7 +46,7 @@ from lightning_ckguard.record.skips import loss_scale, scaler_skip_flag
 from lightning_ckguard.record.source_selection import gradient_source_for
 from lightning_ckguard.record.state_sources import averaged_weights, lightning_checkpoint_state
 from lightning_ckguard.recover.policy import Response, respond
-from lightning_ckguard.recover.rewind import DEFAULT_MAX_REWINDS, Position, Rewind, RewindLog
+from lightning_ckguard.recover.rewind import DEFAULT_MAX_REWINDS, Position, Rewind, RewindLog, callbacks_of_kind
 
 log = logging.getLogger(__name__)
 #: How long ``save_on_exception`` waits, with peers, for every rank to be handling an exception before it saves nothing:
@@ -483,9 +483,9 @@ class GuardedFit:
         # the restored weights are the accepted ones: the next window starts clean, without the losses already given
         # for the step under way (they belong to the discarded weights)
         guard.reset(discard_step_under_way=True)
-        # a stop asked for since (EarlyStopping on the rejected validation's NaN, which runs before this hook) was
-        # decided on the discarded weights; a Timer whose time is up asks again at its next check
-        self.trainer.should_stop = self._should_stop_when_published
+        # a stop asked for since was decided on the discarded weights (EarlyStopping runs before this hook and saw
+        # the rejected validation's NaN): the restored state's stands, but a Timer whose time is up still stops
+        self.trainer.should_stop = self._should_stop_when_published or _time_is_up(self.trainer)
         self._restart_other_guards()
         rank_zero_warn(
             f"{report.message} Rewound in place (rewind {rewind.number} of at most {rewind_log.max_rewinds} in this "
@@ -578,20 +578,24 @@ class GuardedFit:
         writer's report riding in it, so the end of the fit runs no collective more for that; none when every step
         was judged. The same decision on every rank: each recorded the same steps, and judged the same boundaries."""
         guard = self.guard
-        if guard is None or self.decisions.rejection is not None or guard.steps_recorded == 0:
+        if guard is None or self.decisions.rejection is not None:
+            return None
+        # a "skip" at the last boundary leaves its rejection pending, the weights still the rejected ones: judged too
+        if guard.steps_recorded == 0 and guard.window.pending_rejection is False:
             return None
         if self._accepted_unpublished_at == self.trainer.global_step:
             return None  # judged at this step already (a boundary that ranked the value and wrote nothing)
         self.writer.wait()  # the agreement carries the outcome of every write
-        return self._collect([], check_state=False)
+        agreed = self._collect([], check_state=False)
+        guard.forget_unpublished_window()  # accepted or not, nothing is published: a spike gate learns nothing
+        return agreed
 
     def _apply_last_steps(self, verdict: Verdict) -> None:
-        """Apply the verdict on the fit's last steps: nothing was published, so a spike gate learns nothing of them;
-        a rejection seals the run (and raises under ``"raise"``)."""
-        assert self.guard is not None
-        self._apply_verdict(verdict, "train end")
-        self.guard.forget_unpublished_window()
+        """Apply the verdict on the fit's last steps: a rejection is counted, reported and seals the run (raises under
+        ``"raise"``); an acceptance changes nothing a user sees (no metric more for the loggers than
+        ``ModelCheckpoint``'s fit logs: ``ckguard/accepted`` counts published checkpoints)."""
         if not verdict.accepted:
+            self._apply_verdict(verdict, "train end")
             self._reject(during_exception=False, at_the_end=True)
 
     def tear_down(self) -> None:
@@ -646,6 +650,16 @@ class GuardedFit:
                 f"-inf), so they are treated as constants and not checked: {', '.join(constants)}."
             )
         return guard
+
+
+def _time_is_up(trainer: Any) -> bool:
+    """Whether a ``Timer`` of ``trainer`` (``max_time``) has run out, as rank 0 sees it (the Timer's own rule, so that
+    every rank stops together): one broadcast, only where there is a Timer (every rank has the same callbacks)."""
+    timers = callbacks_of_kind(trainer, "Timer")
+    if not timers:
+        return False
+    remaining = [timer.time_remaining() for timer in timers]
+    return bool(broadcast_value(trainer.strategy, any(left is not None and left <= 0 for left in remaining), src=0))
 
 
 def guard_state(checkpoint: Any) -> dict[str, Any]:

@@ -190,7 +190,10 @@ class HeldWriteFailure:
         so that this rank still reaches the barrier DeepSpeed's save ends with, instead of leaving its peers there
         until the timeout (:func:`_file_writes_holding_failures`). A sharded save through
         ``torch.distributed.checkpoint`` meets first (``_distributed.DistributedCheckpointMeeting``), so that a rank
-        whose own part failed before it (your object's ``state_dict()``) stops its peers there."""
+        whose own part failed before it inside the strategy's save (a Fabric strategy converts your objects' state
+        there) stops its peers there. What a Trainer collects before calling the strategy (``dump_checkpoint``: the
+        hooks' ``on_save_checkpoint``) is not covered: a failure there on one rank waits for the collective timeout,
+        as under ``ModelCheckpoint``."""
         meeting = DistributedCheckpointMeeting(strategy, "save", enabled=saves_through_distributed_checkpoint(strategy))
         try:
             with _file_writes_holding_failures(strategy, self.hold), meeting:

@@ -231,11 +231,16 @@ class ParameterGradients:
         if optimizer is not None:
             return self._params_of(optimizer)
         params = self._params_of_module()
+        self._refuse_deepspeed_module(params)
+        return params
+
+    def _refuse_deepspeed_module(self, params: list[tuple[int, Tensor]]) -> None:
+        """Refuse a module whose parameters DeepSpeed manages (a bare module, not the engine): once per layout,
+        attribute lookups only, no tensor is read."""
         layout = self._module_params[0]
-        if layout is not self._checked_layout:  # once per layout: attribute lookups only, no tensor is read
+        if layout is not self._checked_layout:
             _refuse_gradients_kept_elsewhere(None, self._module(), (param for _, param in params))
             self._checked_layout = layout
-        return params
 
     def _params_of(self, optimizer: Any) -> list[tuple[int, Tensor]]:
         groups = optimizer.param_groups
@@ -244,6 +249,8 @@ class ParameterGradients:
         if cached is None:
             _refuse_gradients_kept_elsewhere(optimizer)
         if cached is None or cached[0] != key:
+            # an optimizer DeepSpeed took over holds its partitions, whose `.grad` stays None: the module tells
+            self._refuse_deepspeed_module(self._params_of_module())
             module = self._module()
             if module is not None:
                 self._parameters.add_module_parameters(module)  # the module's new ones under their names

@@ -223,7 +223,8 @@ class RewindLog:
             os.fsync(f.fileno())
 
 
-def _callbacks_of_kind(trainer: Any, kind: str) -> list[Any]:
+def callbacks_of_kind(trainer: Any, kind: str) -> list[Any]:
+    """``trainer``'s callbacks of the class named ``kind`` (or a subclass of it)."""
     # by class name, so either Lightning package's (and a version without them) needs no import here
     return [c for c in trainer.callbacks if any(k.__name__ == kind for k in type(c).__mro__)]
 
@@ -254,11 +255,11 @@ def restore_trainer_state(trainer: Any, path: str) -> dict[str, Any]:
     module.on_load_checkpoint(checkpoint)
     strategy.load_model_state_dict(checkpoint, strict=module.strict_loading)
     callback_states: Mapping[Any, Any] = checkpoint.get("callbacks", {})
-    for callback in _callbacks_of_kind(trainer, "WeightAveraging"):
+    for callback in callbacks_of_kind(trainer, "WeightAveraging"):
         # after the weights: it puts the live weights back from "current_model_state", as it does on resume
         callback.on_load_checkpoint(trainer, module, checkpoint)
         _load_callback_state(callback, callback_states)
-    for callback in _callbacks_of_kind(trainer, "EarlyStopping"):
+    for callback in callbacks_of_kind(trainer, "EarlyStopping"):
         _load_callback_state(callback, callback_states)
     precision = strategy.precision_plugin
     precision.on_load_checkpoint(checkpoint)
@@ -372,18 +373,19 @@ def restore_fabric_state(fabric: Any, path: str, state: dict[str, Any], guard: A
     """
     remainder: dict[str, Any] = {}
     failure: BaseException | None = None
-    # a sharded checkpoint: every rank meets before the distributed checkpoint's collectives, so that one whose own
-    # preparation failed (the modules' state dicts to load into) stops its peers there
+    # a sharded checkpoint: every rank meets before each of the distributed checkpoint's calls and at the barrier the
+    # load ends with, so that one whose own preparation failed (a state dict to load into) stops its peers there
     sharded = uses_distributed_checkpoint(fabric.strategy) and os.path.isdir(path)
-    meeting = DistributedCheckpointMeeting(fabric.strategy, "load", enabled=sharded)
+    meeting = DistributedCheckpointMeeting(fabric.strategy, "load", enabled=sharded, until_barrier=True)
     try:
         with meeting:
             remainder = fabric.load(path, state, strict=strict)
-        meeting.settle(None)
     except write_errors() as error:  # every rank must hear of it (a distributed checkpoint's BaseException too), or
         # the others would wait in their next collective
         failure = own_write_failure(error)
-        if not meeting.settle(failure):  # the peers did not leave at the meeting: they go on to the end of the load
+        if meeting.enabled:
+            meeting.settle(failure)  # at the peers' next meeting point: a distributed checkpoint call, or the barrier
+        else:
             fabric.barrier()  # where the others' `fabric.load` ends (a load fails before it: reading the file)
     failed = agree_on_failure(fabric.strategy, failure)
     if failed.ranks:
@@ -403,6 +405,7 @@ __all__ = [
     "Position",
     "Rewind",
     "RewindLog",
+    "callbacks_of_kind",
     "restore_fabric_state",
     "restore_trainer_state",
 ]

@@ -67,3 +67,26 @@ def test_a_rank_map_names_every_member_up_to_its_size_and_the_lowest_of_each_run
     assert members(FAILING_RANKS, 1024, {5, 6, 700}) == (5, 700)  # 5 and 6 share the first eighth
     assert members(FAILING_RANKS, 1024, set(range(1024))) == tuple(range(0, 1024, 128))
     assert members(RankMap(4), 4, set()) == ()
+
+
+def test_a_distributed_checkpoint_meeting_is_held_by_the_thread_that_entered_it_only(monkeypatch):
+    """The replaced function is a module global: another thread's distributed checkpoint call inside the block (a
+    save of its own, on its own group) calls straight through, and takes nothing of the meeting away."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_ckguard._distributed import DistributedCheckpointMeeting
+
+    ran: list[str] = []
+    monkeypatch.setattr(dcp, "save", lambda *args, **kwargs: ran.append(threading.current_thread().name))
+    ops = reducing_with_peers(monkeypatch, [failure_words(RankView(1), None)])
+    with DistributedCheckpointMeeting(RankView(rank=0), "save", enabled=True) as meeting:
+        side = threading.Thread(target=dcp.save, args=({},), name="side")
+        side.start()
+        side.join()
+        assert ops == []  # the side thread's call met nobody
+        dcp.save({})
+        assert ops == ["max"]  # this thread's call met its peers first, once
+    assert ran == ["side", threading.current_thread().name]
+    assert not meeting.settle(None) and ops == ["max"]  # past its one meeting point: no second meeting

@@ -207,9 +207,14 @@ def test_skip_keeps_rejecting_until_a_new_step_runs(tmp_path):
     callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_last=True, on_non_finite="skip")
     trainer_kwargs = dict(max_epochs=1, limit_train_batches=3, limit_val_batches=1, num_sanity_val_steps=0)
     with pytest.warns(UserWarning, match="rejected the checkpoint at train end.*Skipped"):
-        fit(callback, trainer_kwargs, fault_steps=[2], sanitize=False)
+        trainer = fit(callback, trainer_kwargs, fault_steps=[2], sanitize=False)
     assert os.listdir(tmp_path) == []
     assert callback.best_k_models == {} and callback.last_model_path == ""
+    # the fit ends with the rejection still pending: sealed, so a save after it cannot publish those weights
+    assert callback.rejection is not None
+    with pytest.raises(NonFiniteGradientError):
+        trainer.save_checkpoint(tmp_path / "after-fit.ckpt")
+    assert os.listdir(tmp_path) == []
 
 
 def test_stop_returns_normally_and_later_boundaries_publish_nothing(tmp_path):

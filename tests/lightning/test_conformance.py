@@ -483,6 +483,20 @@ def test_a_guard_metric_with_no_flush_left_is_logged_once_at_the_end(tmp_path):
     assert metrics["ckguard/accepted"] == callback._decisions.counts["accepted"] > 0  # type: ignore[attr-defined]
 
 
+def test_steps_judged_when_training_ends_add_no_logger_call(tmp_path):
+    """Every 5 of 12 steps: the last two are judged when training ends; accepted there, they add nothing the loggers
+    see (``ModelCheckpoint``'s fit makes the same calls, and ``ckguard/accepted`` counts the published checkpoints)."""
+    trainer_kwargs = dict(NO_VAL, max_steps=12, log_every_n_steps=1)
+    every_5_steps = dict(every_n_train_steps=5, save_top_k=-1, filename="{step}")
+    model_kwargs = dict(train_values=STEPS)
+    plain, _ = _logger_calls(ModelCheckpoint, str(tmp_path / "plain"), model_kwargs, trainer_kwargs, every_5_steps)
+    guarded, callback = _logger_calls(FiniteGradCheckpoint, str(tmp_path / "guarded"), model_kwargs, trainer_kwargs,
+                                      every_5_steps)
+    assert len(plain.calls) == 12
+    assert _without_guard_metrics(guarded.calls) == _without_guard_metrics(plain.calls)
+    assert [metrics["ckguard/accepted"] for _, metrics in guarded.calls if "ckguard/accepted" in metrics][-1] == 2
+
+
 class RecordingAsyncIO(AsyncCheckpointIO):
     """A user's own ``AsyncCheckpointIO`` that records each call of its methods, then does what the plugin does."""
 

@@ -17,8 +17,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
-from helpers import QUIET, RecordingLogger
+from helpers import QUIET, FailingWrites, FaultyModel, RecordingLogger
 from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, SpikeGate
 from lightning_ckguard.record import step_values as rows
 
@@ -250,7 +251,9 @@ def test_a_resumed_fit_keeps_the_gates_baseline_and_catches_a_spike_at_its_first
     assert {measure: len(values) for measure, values in history.items()} == {"loss": 12, "grad_norm": 12}
     spiking = [(x, y * 1e3) for x, y in batches(40, bad=None)]  # every batch after the resume spikes
     callback, _, _, messages = fit(tmp_path / "resumed", spiking, max_steps=13, ckpt_path=resumed_from)
-    assert callback.rejection is None and any("the loss spiked at step 12" in m for m in messages), messages
+    assert any("the loss spiked at step 12" in m for m in messages), messages
+    # skipped at the fit's last boundary: the fit ends on the rejected weights, so the run is sealed
+    assert callback.rejection is not None and any("The fit had ended" in m for m in messages)
     # the same resume from a checkpoint without the history warms up again, and misses it
     del checkpoint["callbacks"][callback.state_key]["spike_history"]
     torch.save(checkpoint, tmp_path / "without_history.ckpt")
@@ -306,3 +309,17 @@ def test_the_gates_history_outlives_a_fit_an_exception_ended_and_travels_with_a_
         trainer = Trainer(max_steps=1, limit_val_batches=0, callbacks=[guarded], **QUIET)
         with pytest.warns(UserWarning, match="the loss spiked at step 0"):
             trainer.fit(Regression([(x, y * 1e3) for x, y in batches(40, bad=None)]))
+
+
+def test_the_steps_judged_when_training_ends_are_not_learned_when_a_write_failure_ends_the_fit(tmp_path):
+    # every 5 of 12 steps, written in the background; step 10's write fails and raises when training ends, after the
+    # steps after it were judged (accepted): neither they nor anything after step 4's published window is learned
+    # beyond what the boundaries accepted (steps 0 to 9), and the fit's error is the write's
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1, filename="{step}",
+                                    spike_gate=SpikeGate(warmup_steps=100))
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback], plugins=[AsyncCheckpointIO(TorchCheckpointIO())], max_steps=12,
+                      limit_train_batches=20, limit_val_batches=0, **QUIET)
+    with FailingWrites("step=10"), pytest.raises(OSError, match="No space left"):
+        trainer.fit(FaultyModel())
+    assert {k: len(v) for k, v in callback.state_dict()["spike_history"].items()} == {"loss": 10, "grad_norm": 10}

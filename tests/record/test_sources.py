@@ -315,7 +315,8 @@ def test_a_guard_on_the_bare_module_under_deepspeed_refuses_record_without_an_op
     with _one_process_deepspeed_fabric(stage) as fabric:
         net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         bare = GradientGuard(net) if built == "before-setup" else None
-        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        raw = torch.optim.SGD(net.parameters(), lr=0.1)  # DeepSpeed rewrites its groups to its own partitions
+        model, optimizer = fabric.setup(net, raw)
         bare = bare or GradientGuard(net)
         inputs = torch.randn(4, 4)
         inputs[0, 0] = float("nan")
@@ -323,6 +324,8 @@ def test_a_guard_on_the_bare_module_under_deepspeed_refuses_record_without_an_op
         for _ in range(2):
             with pytest.raises(ValueError, match="build `GradientGuard` on the model `fabric.setup` returned"):
                 bare.record()
+            with pytest.raises(ValueError, match="build `GradientGuard` on the model `fabric.setup` returned"):
+                bare.record(raw)  # the optimizer the user passed to `fabric.setup`: its partitions have no `.grad`
         assert bare.steps_recorded == 0
         guard = GradientGuard(model)
         guard.record(optimizer)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import Callback, EarlyStopping
+from lightning.pytorch.callbacks import Callback, EarlyStopping, Timer
 from lightning.pytorch.plugins import MixedPrecision
 
 from helpers import QUIET, FaultyModel
@@ -152,12 +152,12 @@ def test_a_rejected_top_k_boundary_rewinds_and_the_top_k_goes_on(tmp_path):
 
 class Regression(LightningModule):
     """A linear regression whose validation loss comes from its weights (NaN once they are), on fixed batches; the
-    targets of train batch ``bad`` (within each epoch) are NaN."""
+    targets of train batch ``bad`` (within each epoch) are NaN, and those of global step ``bad_step``."""
 
-    def __init__(self, bad: int) -> None:
+    def __init__(self, bad: int = -1, bad_step: int = -1) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
-        self.bad = bad
+        self.bad, self.bad_step = bad, bad_step
 
     def _batches(self, count: int, bad: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         data = []
@@ -168,7 +168,8 @@ class Regression(LightningModule):
         return data
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        targets = batch[1] * float("nan") if self.trainer.global_step == self.bad_step else batch[1]
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), targets)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
@@ -238,6 +239,33 @@ def test_a_resumed_fit_rewinds_to_the_checkpoint_it_resumed_from_until_it_publis
     assert sorted(os.listdir(tmp_path)) == [REWIND_LOG_NAME, "step=16.ckpt", "step=4.ckpt", "step=8.ckpt"]
     stored = torch.load(tmp_path / "step=16.ckpt", weights_only=False)["state_dict"]
     assert all(torch.isfinite(value).all() for value in stored.values())
+
+
+class TimeUpFrom(Timer):
+    """A ``Timer`` checked at each epoch end, whose time is up from global step ``step`` on."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(duration=dict(seconds=100), interval="epoch")
+        self.step, self.trainer = step, None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.trainer = trainer
+        super().on_train_start(trainer, pl_module)
+
+    def time_elapsed(self, stage: str = "train") -> float:
+        return 1e9 if self.trainer is not None and self.trainer.global_step >= self.step else 0.0
+
+
+def test_a_rewind_keeps_the_stop_of_a_timer_whose_time_is_up(tmp_path):
+    # the Timer's epoch-end check (before the checkpoint callback's) asks to stop at step 40, where the boundary
+    # rejects step 37's NaN and rewinds: the stop stands, rather than running one more epoch past the time budget
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, on_non_finite="rewind")
+    trainer = Trainer(max_epochs=5, callbacks=[TimeUpFrom(40), callback], **QUIET)
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(Regression(bad_step=37))
+    assert [(r.global_step, r.checkpoint_global_step) for r in callback.rewinds] == [(40, 20)]
+    assert trainer.global_step == 40
 
 
 def test_max_rewinds_zero_raises_at_the_first_rejection_and_seals(tmp_path):

@@ -15,7 +15,8 @@ strategy, collectives time out after 60 s) and its own checkpoint directory unde
   directory, one shard file per rank; the directory is published whole, by one rename, after every rank wrote.
 - ``fsdp2-fails-before-its-part`` (``ModelParallelStrategy``): rank 1 fails before the distributed checkpoint starts,
   once in a save (an object's ``state_dict()`` raises) and once in a restore (the model's ``state_dict()``, which the
-  load fills, raises); each is timed, then the same save and restore are done again without the failure.
+  load fills, raises), and in a restore between the model's load and the optimizer's (the optimizer's
+  ``state_dict()``); each is timed, then the same save and restore are done again without the failure.
 """
 
 from __future__ import annotations
@@ -211,7 +212,19 @@ def _fails_before_its_part(out: str) -> dict[str, Any]:
     path = os.path.join(dirpath, "good.ckpt")
     failed_restore = _timed(lambda: restore_fabric_state(fabric, path, {"model": model, "optimizer": optimizer}))
     failing_load[0] = False
+    # between the model's distributed-checkpoint load and the optimizer's: the optimizer's state_dict, on rank 1
+    failing_optimizer = [fabric.global_rank == 1]
+
+    def optimizer_fails_on_rank_1(*args: Any) -> None:
+        if failing_optimizer[0]:
+            raise RuntimeError("the optimizer's state_dict fails on rank 1")
+
+    optimizer.optimizer.register_state_dict_pre_hook(optimizer_fails_on_rank_1)
+    failed_optimizer_restore = _timed(
+        lambda: restore_fabric_state(fabric, path, {"model": model, "optimizer": optimizer}))
+    failing_optimizer[0] = False
     return {"failed_save": failed_save, "listing": listing, "failed_restore": failed_restore,
+            "failed_optimizer_restore": failed_optimizer_restore,
             "save_again": _timed(lambda: publisher.save("again.ckpt", state)),
             "restore_again": _timed(lambda: restore_fabric_state(fabric, path, {"model": model})),
             "final_listing": sorted(os.listdir(dirpath))}
