@@ -655,7 +655,7 @@ class GuardedFit:
 def _time_is_up(trainer: Any) -> bool:
     """Whether a ``Timer`` of ``trainer`` (``max_time``) has run out, as rank 0 sees it (the Timer's own rule, so that
     every rank stops together): one broadcast, only where there is a Timer (every rank has the same callbacks)."""
-    timers = callbacks_of_kind(trainer, "Timer")
+    timers = [c for c in callbacks_of_kind(trainer, "Timer") if callable(getattr(c, "time_remaining", None))]
     if not timers:
         return False
     remaining = [timer.time_remaining() for timer in timers]
