@@ -563,7 +563,8 @@ class GuardedFit:
             else:
                 self._raise_write_failure(failure)
             if last_steps is not None:
-                self._apply_last_steps(last_steps[0])
+                verdict, _, restates_skipped = last_steps
+                self._apply_last_steps(verdict, restates_skipped)
         finally:
             self._keep_spike_history()  # an exception ends a fit without its teardown
             if self.decisions.rejection is None and self.trainer.is_global_zero:
@@ -571,12 +572,14 @@ class GuardedFit:
                 self.storage.release_all_retired(_dirpath(self.checkpoint))
             flush_held_metrics(self.trainer)  # nothing of Lightning's is logged after this
 
-    def _agree_on_the_last_steps(self) -> tuple[Verdict, tuple[int, ...]] | None:
+    def _agree_on_the_last_steps(self) -> tuple[Verdict, tuple[int, ...], bool] | None:
         """The steps after the fit's last agreement (no boundary came after them, or one that neither wrote nor
         ranked), judged at train end, so that ``on_non_finite`` acts on them and a ``trainer.save_checkpoint`` after
         ``fit`` cannot publish what they diverged. One agreement without the state (nothing is written), the
         writer's report riding in it, so the end of the fit runs no collective more for that; none when every step
-        was judged. The same decision on every rank: each recorded the same steps, and judged the same boundaries."""
+        was judged. The same decision on every rank: each recorded the same steps, and judged the same boundaries.
+        Returns the verdict, the carried integers, and whether it only restates the last boundary's skipped rejection
+        (no step since)."""
         guard = self.guard
         if guard is None or self.decisions.rejection is not None:
             return None
@@ -586,17 +589,21 @@ class GuardedFit:
         if self._accepted_unpublished_at == self.trainer.global_step:
             return None  # judged at this step already (a boundary that ranked the value and wrote nothing)
         self.writer.wait()  # the agreement carries the outcome of every write
-        agreed = self._collect([], check_state=False)
+        restates = guard.steps_recorded == 0
+        verdict, carried = self._collect([], check_state=False)
         guard.forget_unpublished_window()  # accepted or not, nothing is published: a spike gate learns nothing
-        return agreed
+        return verdict, carried, restates
 
-    def _apply_last_steps(self, verdict: Verdict) -> None:
+    def _apply_last_steps(self, verdict: Verdict, restates_skipped: bool) -> None:
         """Apply the verdict on the fit's last steps: a rejection is counted, reported and seals the run (raises under
-        ``"raise"``); an acceptance changes nothing a user sees (no metric more for the loggers than
-        ``ModelCheckpoint``'s fit logs: ``ckguard/accepted`` counts published checkpoints)."""
-        if not verdict.accepted:
+        ``"raise"``); one that only restates the last boundary's skipped rejection seals it without counting it twice.
+        An acceptance changes nothing a user sees (no metric more for the loggers than ``ModelCheckpoint``'s fit logs:
+        ``ckguard/accepted`` counts published checkpoints)."""
+        if verdict.accepted:
+            return
+        if not restates_skipped:
             self._apply_verdict(verdict, "train end")
-            self._reject(during_exception=False, at_the_end=True)
+        self._reject(during_exception=False, at_the_end=True)
 
     def tear_down(self) -> None:
         """Give the Trainer back its own ``save_checkpoint`` (not after a rejection: the seal stays), stop the

@@ -210,8 +210,9 @@ def test_skip_keeps_rejecting_until_a_new_step_runs(tmp_path):
         trainer = fit(callback, trainer_kwargs, fault_steps=[2], sanitize=False)
     assert os.listdir(tmp_path) == []
     assert callback.best_k_models == {} and callback.last_model_path == ""
-    # the fit ends with the rejection still pending: sealed, so a save after it cannot publish those weights
-    assert callback.rejection is not None
+    # the fit ends with the rejection still pending: sealed, so a save after it cannot publish those weights; the
+    # end of the fit restates it, and counts it no more (the validation's and the train end's boundaries rejected)
+    assert callback.rejection is not None and callback._decisions.counts["rejected"] == 2
     with pytest.raises(NonFiniteGradientError):
         trainer.save_checkpoint(tmp_path / "after-fit.ckpt")
     assert os.listdir(tmp_path) == []
