@@ -12,7 +12,8 @@ agreement). While the top K fills, ``ModelCheckpoint`` takes no vote and the agr
 once it is full, the agreement replaces ``ModelCheckpoint``'s vote (a barrier and an all-reduce): one fewer. A fit
 costs 2 more: the agreed check that ``dirpath`` is writable (also the barrier after rank 0's crash recovery), and at
 train end the writer's last report (a move that failed on rank 0 at the last boundary); the train-end hook's
-collectives count with the fit's.
+collectives count with the fit's. Under FSDP2 each save adds one all-reduce more: every rank meets right before the
+distributed checkpoint, so that a rank whose own part failed stops its peers there (not at the collective timeout).
 """
 
 from __future__ import annotations
@@ -101,6 +102,23 @@ def test_the_guard_adds_at_most_todays_floor_of_collectives(ranks):
 def test_the_end_of_a_fit_adds_only_what_its_last_steps_need(ranks, ending, extra):
     counts = ranks[0]
     assert fit_total(counts, f"FiniteGradCheckpoint/{ending}") - fit_total(counts, f"ModelCheckpoint/{ending}") == extra
+
+
+def test_under_fsdp2_each_save_adds_its_meeting_before_the_distributed_checkpoint(ranks):
+    """Under FSDP2 (``ModelParallelStrategy``, ``fully_shard``) each boundary writes two directories (its top-K one
+    and ``last``), and each save meets once more right before the distributed checkpoint: the per-boundary floor is
+    DDP's plus two; per fit, DDP's."""
+    counts = ranks[0]
+    plain, guarded = boundaries(counts, "ModelCheckpoint/fsdp2"), boundaries(counts, "FiniteGradCheckpoint/fsdp2")
+    assert [(b["hook"], b["epoch"]) for b in guarded] == [(b["hook"], b["epoch"]) for b in plain]
+    assert len(plain) == 4, "one saving boundary per epoch expected"
+    extra = [_total(g["calls"]) - _total(p["calls"]) for p, g in zip(plain, guarded, strict=True)]
+    filling, full = extra[:2], extra[2:]
+    saves_per_boundary = 2
+    assert max(filling) <= MAX_EXTRA_PER_BOUNDARY["top K filling"] + saves_per_boundary, extra
+    assert max(full) <= MAX_EXTRA_PER_BOUNDARY["top K full"] + saves_per_boundary, extra
+    assert fit_total(counts, "FiniteGradCheckpoint/fsdp2") - fit_total(counts, "ModelCheckpoint/fsdp2") <= (
+        MAX_EXTRA_PER_FIT)
 
 
 def test_the_spike_gate_adds_one_all_reduce_per_agreement_and_nothing_per_step(ranks):

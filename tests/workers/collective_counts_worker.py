@@ -49,6 +49,7 @@ for _name in COUNTED:  # before Lightning imports anything of torch.distributed 
 
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
 from helpers import QUIET, FaultyModel, run_scenarios  # noqa: E402
@@ -90,14 +91,15 @@ END_SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 def count_fit(out: str, cls: type[ModelCheckpoint], name: str, val_losses: list[float] = VAL_LOSSES,
-              **options: Any) -> dict[str, Any]:
+              kind: str = "ddp", **options: Any) -> dict[str, Any]:
     seed_everything(7)
     boundaries: list[dict[str, Any]] = []
     options = {"monitor": "val_loss", "save_top_k": 2, "save_last": True, **options}
     callback = counting_boundaries(cls, boundaries)(dirpath=os.path.join(out, name), **options)
-    trainer = Trainer(strategy=make_strategy("ddp", timeout=TIMEOUT), devices=2, callbacks=[callback],
+    trainer = Trainer(strategy=make_strategy(kind, timeout=TIMEOUT), devices=2, callbacks=[callback],
                       max_epochs=EPOCHS, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0, **QUIET)
-    model = FaultyModel(val_losses=val_losses)
+    model = ShardedFaultModel(val_losses=val_losses, fsdp2=True) if kind == "fsdp2" else FaultyModel(
+        val_losses=val_losses)
     CALLS.clear()
     trainer.fit(model)
     in_boundaries = sum((Counter(b["calls"]) for b in boundaries), Counter())
@@ -109,6 +111,10 @@ def main() -> None:
         ModelCheckpoint, FiniteGradCheckpoint)}
     # the spike gate adds its one all-reduce of the step values to each agreement, and nothing else
     scenarios["SpikeGate"] = lambda out: count_fit(out, FiniteGradCheckpoint, "SpikeGate", spike_gate=SpikeGate())
+    # FSDP2's distributed checkpoint (ModelParallelStrategy, fully_shard): directories every rank writes
+    for cls in (ModelCheckpoint, FiniteGradCheckpoint):
+        scenarios[f"{cls.__name__}/fsdp2"] = lambda out, cls=cls: count_fit(out, cls, f"{cls.__name__}-fsdp2",
+                                                                            kind="fsdp2")
     for ending, options in END_SCENARIOS.items():
         for cls in (ModelCheckpoint, FiniteGradCheckpoint):
             name = f"{cls.__name__}/{ending}"
