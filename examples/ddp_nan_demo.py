@@ -17,6 +17,7 @@ package, with ``from lightning_ckguard.pytorch_lightning import FiniteGradCheckp
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import shutil
@@ -148,6 +149,11 @@ def main() -> None:
         f"    {on_disk(guarded_dir)}")
     if trainer.is_global_zero and "CKGUARD_KEEP" not in os.environ:
         shutil.rmtree(root, ignore_errors=True)
+    # Lightning leaves the process group to the interpreter's exit, where destroying gloo's objects in whatever order
+    # it frees them can abort a rank ("terminate called without an active exception"): destroyed here, every rank
+    if torch.distributed.is_initialized():
+        gc.collect()  # a DDP reducer a garbage cycle keeps alive must not hold the group's last reference
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

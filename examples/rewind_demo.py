@@ -22,6 +22,7 @@ all-reduce, so rank 0 never sees it and rank 1's weights take the NaN step: the 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -122,6 +123,11 @@ def main() -> None:
         f"    {listing}")
     if trainer.is_global_zero and "CKGUARD_KEEP" not in os.environ:
         shutil.rmtree(root, ignore_errors=True)
+    # Lightning leaves the process group to the interpreter's exit, where destroying gloo's objects in whatever order
+    # it frees them can abort a rank ("terminate called without an active exception"): destroyed here, every rank
+    if torch.distributed.is_initialized():
+        gc.collect()  # a DDP reducer a garbage cycle keeps alive must not hold the group's last reference
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
