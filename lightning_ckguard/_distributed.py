@@ -246,11 +246,10 @@ class DistributedCheckpointMeeting:
         self.enabled = enabled and is_multiprocess(strategy)
         self._done = False  # past the block's last meeting point, or a failure met at one
         self._found = Failures(())
-        self._thread = threading.get_ident()
 
     def __enter__(self) -> DistributedCheckpointMeeting:
         self._stack = ExitStack()
-        self._thread = threading.get_ident()
+        self._thread = threading.get_ident()  # the one that meets
         if self.enabled:
             import torch.distributed.checkpoint as dcp
 

@@ -268,8 +268,7 @@ class GuardedFit:
         # along, as at a write)
         ranked = not (vote is None or vote.missing_ranks or vote.missing_everywhere or self.checkpoint.save_top_k == 0)
         if ranked and collected is None and not is_multiprocess(self.trainer.strategy):
-            collected = guard.agree_carrying(self.trainer.strategy, self.writer.report(),
-                                             global_step=self.trainer.global_step)
+            collected = self._collect([], check_state=False)
         guard.forget_unpublished_window()  # whatever an agreement accepted here, no write published
         if not ranked or collected is None:
             return

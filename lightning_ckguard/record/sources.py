@@ -203,7 +203,8 @@ class ParameterGradients:
         self._module_params: tuple[tuple[int, ...], list[tuple[int, Tensor]]] = ((), [])
         self._params_of_module()
         # the layout (``_module_params``' key) whose parameters were last found not to be DeepSpeed's: checked at the
-        # first read without an optimizer after it changed (the engine may be made after this guard), not every step
+        # first read after it changed, and when an optimizer's parameters change (the engine may be made after this
+        # guard), not every step
         self._checked_layout: tuple[int, ...] | None = None
         # per optimizer: (its parameters' ids when cached, [(index, param)]); rebuilt when they change. Held weakly, by
         # the optimizer itself: a new optimizer at a dead one's address (its id) must not read the dead one's params
