@@ -5,6 +5,7 @@ row is timed interleaved with the others; the table shows medians and the ratio 
 
     python benchmarks/recording_cost.py                 # 28M fp32 elements in 15 tensors, 2 threads (~1 min)
     python benchmarks/recording_cost.py --dtypes float32 bfloat16 float16 float64 --repeats 21
+    python benchmarks/recording_cost.py --magnitude 1e-11 --no-naive   # a trained model's gradient sizes
 
 Rows:
   floor                       per-tensor sum (not exact: a sum of large finite values overflows)
@@ -55,6 +56,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--dtypes", nargs="+", default=["float32"])
     parser.add_argument("--no-naive", action="store_true", help="skip the slow naive row")
+    parser.add_argument("--magnitude", type=float, default=1.0,
+                        help="multiply the gradients by this (1e-11: the size of most of a trained MLP's, where a "
+                             "scaled product can fall below the smallest normal number, which a CPU computes slowly)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# Recording cost per step\n\nMachine: {machine()}\n")
@@ -74,7 +78,7 @@ NOTES = {
 
 
 def measure(dtype: torch.dtype, args: argparse.Namespace) -> None:
-    grads = make_grads(args.tensors, int(args.elements), dtype)
+    grads = [g.mul_(args.magnitude) for g in make_grads(args.tensors, int(args.elements), dtype)]
     model = torch.nn.Module()
     model.params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(g)) for g in grads])
     for p, g in zip(model.parameters(), grads, strict=True):
@@ -94,7 +98,7 @@ def measure(dtype: torch.dtype, args: argparse.Namespace) -> None:
     times = interleaved(rows, args.repeats)
     numel = sum(g.numel() for g in grads)
     print(f"## {str(dtype).removeprefix('torch.')}: {numel / 1e6:.1f}M elements in {len(grads)} tensors, "
-          f"{args.repeats} repeats\n")
+          f"{args.repeats} repeats, magnitude {args.magnitude:g}\n")
     headers = ["row", "median ms", "vs floor", "min ms", "min vs floor min", "notes"]
     print(table(headers, ratio_rows(times, "floor", NOTES)))
     print()

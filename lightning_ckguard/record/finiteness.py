@@ -8,31 +8,35 @@ How a tensor is read depends on where it lives (measured in ``benchmarks/``):
 
 - **Accelerators**: one fused multi-tensor max-norm (``_foreach_norm(ord=inf)``, i.e. ``max |x|``) per device and
   dtype. It propagates ``NaN`` and cannot overflow.
-- **CPU, large tensors** (fp32, more than :data:`LARGE_NUMEL` elements): read in pieces of :data:`PIECE_NUMEL`
-  elements (1 MiB), each by one exact reader. The *scaled probe*, ``sum(x * 2**-100)``, is a matrix-vector product:
-  the piece viewed as a :data:`PROBE_WIDTH`-column matrix times a constant vector (a tail shorter than a row, by a dot
-  with it). Every product ``x * 2**-100`` of a finite ``x`` is finite and at most ``fp32 max * 2**-100 ~ 2.7e8``, so
-  no partial sum of fewer than ``2**100`` elements can overflow, in any order of summation; an infinite ``x`` stays
-  infinite, ``+inf + -inf`` and anything with a ``NaN`` are ``NaN``. A probe (and the sum of a tensor's probes) is
-  therefore finite exactly when every element is. Which is faster, this probe or ``aminmax`` (the exact
-  alternative), depends on the CPU and its BLAS: with MKL on an Intel Xeon the probe runs at the speed of a plain
-  ``sum`` and ``aminmax`` at 1.4-1.8x that; on an AMD EPYC with 2 threads the probe costs 1.45x and ``aminmax``
-  1.1-1.25x. So the first step of a gradient layout measures both on its own large gradients (when they hold at least
-  :data:`CALIBRATION_MIN_NUMEL` elements; fewer are too close to time, and the probe reads them) (a warm-up read, then
-  three timed reads each, once: the reading plan is cached) and keeps the faster (:func:`cpu_large_tensor_reader`);
-  ``CKGUARD_CPU_READER=probe`` or ``=aminmax`` fixes the choice. Both are exact, so the choice only changes the
-  speed. The probe needs true fp32 matrix products: when PyTorch is allowed to compute fp32 matmuls in bf16/tf32
-  (``torch.backends.mkldnn.matmul.fp32_precision`` other than ``"ieee"``, e.g.
+- **CPU, large tensors** (fp32, more than :data:`LARGE_NUMEL` elements): read in pieces of :data:`PIECE_NUMEL` elements
+  (1 MiB), each by one exact reader. The *scaled probe* is a matrix-vector product: the piece viewed as a
+  :data:`PROBE_WIDTH`-column matrix times a constant vector of ``2**-13`` (a tail shorter than a row, by a dot with it),
+  one scaled sum per row. A row holds at most :data:`PROBE_ROW_LIMIT` (``2**12``) elements, so every product ``x *
+  2**-13`` of a finite ``x`` is finite, and every partial sum of a row, in any order of summation, is at most half the
+  dtype's largest value; an infinite ``x`` stays infinite, ``+inf + -inf`` and anything with a ``NaN`` are ``NaN``. A
+  row's sum is therefore finite exactly when its elements are. Rows are never added to one another: each is turned into
+  ``0`` (finite) or ``NaN`` by ``x * 0`` first, and only those are summed per tensor. The scale is no smaller than that
+  on purpose: a product that falls below the smallest normal number costs a CPU a microcode assist, and a scale of
+  ``2**-100`` made every gradient element under ``2**-26`` (``1.5e-8``, most of a trained model's) such a product: the
+  probe of a trained MLP's largest gradient took 15x a plain ``sum`` of it (``benchmarks/RESULTS.md``, A15). Which is
+  faster, this probe or ``aminmax`` (the exact alternative), depends on the CPU and its BLAS: with MKL on an Intel Xeon
+  the probe runs at the speed of a plain ``sum`` and ``aminmax`` at 1.4-1.8x that; on an AMD EPYC with 2 threads the
+  probe costs 1.45x and ``aminmax`` 1.1-1.25x. So the first step of a gradient layout measures both on its own large
+  gradients (when they hold at least :data:`CALIBRATION_MIN_NUMEL` elements; fewer are too close to time, and the probe
+  reads them) (a warm-up read, then three timed reads each, once: the reading plan is cached) and keeps the faster
+  (:func:`cpu_large_tensor_reader`); ``CKGUARD_CPU_READER=probe`` or ``=aminmax`` fixes the choice. Both are exact, so
+  the choice only changes the speed. The probe needs true fp32 matrix products: when PyTorch is allowed to compute fp32
+  matmuls in bf16/tf32 (``torch.backends.mkldnn.matmul.fp32_precision`` other than ``"ieee"``, e.g.
   ``torch.set_float32_matmul_precision("medium")``), rounding the inputs could turn ``3.4e38`` into ``inf``, so the
   pieces are read by ``aminmax``. Why pieces: a spike gate also needs the sum of squares, and no CPU kernel reads a
   tensor once for both an exact flag and squares that cannot overflow. A second pass over a whole gradient finds it
-  evicted by then; a BLAS dot of each piece right after its read (:meth:`NonFiniteCheck.read` with ``squares``)
-  finds it in the core's cache. Inside a training step of the benchmark MLP, the squares then cost 0.4 ms instead
-  of 1.0 (``benchmarks/spike_gate.py``), and the flags alone cost less read in pieces than whole.
+  evicted by then; a BLAS dot of each piece right after its read (:meth:`NonFiniteCheck.read` with ``squares``) finds it
+  in the core's cache. Inside a training step of the benchmark MLP, the squares then cost 0.4 ms instead of 1.0
+  (``benchmarks/spike_gate.py``), and the flags alone cost less read in pieces than whole.
 - **CPU, small tensors** (at most :data:`SMALL_NUMEL` elements, fp32/fp64/bf16/fp16): tensors of one shape, when
   there are at least :data:`SMALL_BATCH_MIN` of them, are stacked into a small, bounded workspace
   (:data:`WORKSPACE_NUMEL` elements) and probed by one matrix-vector product per chunk, with the same scaling
-  argument (``2**-14`` for fp16, whose outputs stay below ``4 * SMALL_NUMEL``). This replaces thousands of tiny
+  argument (a row is one tensor of at most :data:`SMALL_NUMEL` elements). This replaces thousands of tiny
   per-tensor reductions by a few batched ones.
 - **Everything else** (mid-size tensors, small tensors of a rare shape, large fp64/bf16/fp16 tensors, tensors that
   no permutation makes contiguous, other dtypes): ``torch.aminmax`` per tensor, one read-only pass without
@@ -81,9 +85,13 @@ PIECE_NUMEL = 1 << 18
 #: Columns of the matrix a piece is viewed as by the probe: its scale vector stays in L1.
 PROBE_WIDTH = 1 << 10
 
-# The probe's scale per dtype: small enough that no sum of scaled finite values can overflow, large enough to be a
-# normal number of that dtype. fp16 only uses the small-tensor probe, whose sums stay below 4 * SMALL_NUMEL.
-_SCALE = {torch.float32: 2.0**-100, torch.float64: 2.0**-100, torch.bfloat16: 2.0**-100, torch.float16: 2.0**-14}
+#: The most elements one probe row sums (a large tensor's row, a small tensor): the probe's scale depends on it.
+PROBE_ROW_LIMIT = max(PROBE_WIDTH, SMALL_NUMEL)
+# The probe's scale, the same for every dtype it reads: the largest power of two that keeps a sum of
+# PROBE_ROW_LIMIT scaled finite values at most half the dtype's largest value (so rounding cannot reach it). No
+# smaller: a product below the dtype's smallest normal number is slow on a CPU (see the module docstring).
+_PROBE_SCALE = 2.0 ** -PROBE_ROW_LIMIT.bit_length()
+_PROBE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # Dtypes whose large tensors are read in pieces on CPU; the others are read whole by aminmax there (benchmarks/).
 _LARGE_PIECE_DTYPES = (torch.float32,)
 
@@ -214,7 +222,7 @@ class _Chunk:
 class _ProbePiece:
     """The scaled probe of one piece: the piece viewed as a ``PROBE_WIDTH``-column matrix times the scale vector, and
     the ``tail`` elements past its last full row as a dot with the scale. Each output is finite exactly where its
-    elements are, and at most ``PROBE_WIDTH * 2.7e8`` (see the module docstring)."""
+    elements are, and at most half the largest fp32 value (see the module docstring)."""
 
     def __init__(self, numel: int, outputs: Tensor, scale: Tensor) -> None:
         rows, self.tail = divmod(numel, PROBE_WIDTH)
@@ -260,8 +268,7 @@ class _LargePieces:
         self.members = members
         self.orders = [_flat_order(values[i]) or () for i in members]
         piece_type = _ProbePiece if reader == "probe" else _ExtremesPiece
-        self.scaled = reader == "aminmax"  # its outputs are scaled before they are added up, the probe's already are
-        self.scale = scale[:1]
+        self.reader = reader
         numels = [[min(PIECE_NUMEL, values[i].numel() - start) for start in range(0, values[i].numel(), PIECE_NUMEL)]
                   for i in members]
         counts = [[piece_type.outputs_for(n) for n in pieces] for pieces in numels]
@@ -290,8 +297,8 @@ class _LargePieces:
         return _SquaresPart(self.members, self.dots, self.dot_owners)
 
     def read(self, values: list[Tensor], squares: bool = False) -> Tensor:
-        """Per member: a probe, finite exactly where the tensor is. With ``squares``, :attr:`dots` holds each piece's
-        sum of squares afterwards (in fp32)."""
+        """Per member: 0 where the tensor is finite, NaN where it is not. With ``squares``, :attr:`dots` holds each
+        piece's sum of squares afterwards (in fp32)."""
         for i, order, readers, dot_outputs in zip(self.members, self.orders, self.readers, self.dot_outputs,
                                                   strict=True):
             flat = (values[i].permute(order) if order else values[i]).view(-1)
@@ -299,9 +306,8 @@ class _LargePieces:
                 read(piece)
                 if squares:
                     torch.dot(piece, piece, out=dot_output)  # the piece just read, still in this core's cache
-        if self.scaled:
-            self.outputs.mul_(self.scale)
-        return self.probes.zero_().index_add_(0, self.output_owners, self.outputs)
+        # each output as 0 (finite) or NaN before they are added up per tensor: a sum of rows could overflow
+        return self.probes.zero_().index_add_(0, self.output_owners, self.outputs.mul_(0))
 
 
 @dataclass
@@ -522,7 +528,7 @@ class NonFiniteCheck:
         if device.type != "cpu":
             return _Group(device, positions, norms=positions)
         group = _Group(device)
-        probe = dtype in _SCALE and (dtype != torch.float32 or ieee)
+        probe = dtype in _PROBE_DTYPES and (dtype != torch.float32 or ieee)
         by_shape: dict[tuple[int, ...], list[int]] = {}
         large: list[int] = []
         extremes: list[int] = []
@@ -588,7 +594,7 @@ class NonFiniteCheck:
     def _scale(self, device: torch.device, dtype: torch.dtype, length: int) -> Tensor:
         scale = self._scales.get((device, dtype))
         if scale is None or scale.numel() < length:
-            scale = self._scales[(device, dtype)] = torch.full((length,), _SCALE[dtype], dtype=dtype, device=device)
+            scale = self._scales[(device, dtype)] = torch.full((length,), _PROBE_SCALE, dtype=dtype, device=device)
         return scale
 
     def _workspace(self, device: torch.device, dtype: torch.dtype, length: int) -> Tensor:

@@ -350,9 +350,9 @@ def test_the_large_tensor_reader_is_measured_once_per_layout_and_kept(monkeypatc
         reader(grads, torch.device("cpu"))
         checker = reader if isinstance(reader, NonFiniteCheck) else reader._check
         (plan,) = checker._plans.values()
-        planned[type(reader).__name__] = plan.groups[0].large.scaled  # True: read by aminmax
+        planned[type(reader).__name__] = plan.groups[0].large.reader
     assert finiteness.cpu_large_tensor_reader() is None
-    assert set(planned.values()) == {chosen == "aminmax"}
+    assert set(planned.values()) == {chosen}
 
 
 def test_an_unknown_forced_reader_is_a_clear_error(monkeypatch):
