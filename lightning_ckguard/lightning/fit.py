@@ -720,7 +720,11 @@ def drop_missing_checkpoints(checkpoint: Any, fit: GuardedFit | None) -> None:
     if missing:
         Ledger.capture(checkpoint).without(missing, checkpoint.mode).apply_to(checkpoint)
         rank_zero_warn(f"FiniteGradCheckpoint dropped {len(missing)} checkpoint(s) its state lists but that no longer "
-                       "exist or are incomplete: " + ", ".join(missing))
+                       "exist or are incomplete: " + ", ".join(missing) + ". Expected when resuming from a checkpoint "
+                       "older than the run's latest (`ckpt_path='best'`, a manual save): its state still lists the "
+                       "top-K checkpoints the run removed after writing it. Otherwise they were deleted by hand, never "
+                       "copied here, or cut off by a crash. New checkpoints fill the top-K places they held "
+                       "(ModelCheckpoint keeps such entries).")
 
 
 def _settle_pending_rollback(checkpoint: Any, strategy: Any, source: int) -> None:

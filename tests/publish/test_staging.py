@@ -415,3 +415,22 @@ def test_a_refused_move_over_a_published_file_puts_it_back_and_leaves_no_retired
     publisher.save("a.pt", {"value": torch.tensor(3.0)})  # and the name is published again as before
     assert os.listdir(tmp_path) == ["a.pt"]
     assert torch.load(tmp_path / "a.pt", weights_only=True)["value"] == 3.0
+
+
+def test_resuming_from_an_older_checkpoint_of_the_run_says_why_its_evicted_entries_are_dropped(tmp_path):
+    """The routine case of the drop: the best checkpoint's state still lists a top-K file the run removed later."""
+    def fit(max_epochs: int, ckpt_path: str | None = None) -> FiniteGradCheckpoint:
+        callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2)
+        seed_everything(0)
+        trainer = Trainer(callbacks=[callback], max_epochs=max_epochs, limit_train_batches=2, limit_val_batches=1,
+                          num_sanity_val_steps=0, **QUIET)
+        trainer.fit(FaultyModel(val_losses=[3.0, 1.0, 2.0, 5.0]), ckpt_path=ckpt_path)
+        return callback
+
+    first = fit(3)  # epoch 0 (3.0) is removed at epoch 2, after epoch 1's checkpoint (the best) was written
+    assert first.best_model_path == str(tmp_path / "epoch=1-step=4.ckpt")
+    assert not (tmp_path / "epoch=0-step=2.ckpt").exists()
+    with pytest.warns(UserWarning, match=r"dropped 1 checkpoint\(s\).*epoch=0-step=2.ckpt\. Expected when resuming "
+                                         r"from a checkpoint older than the run's latest"):
+        second = fit(4, ckpt_path=first.best_model_path)
+    assert str(tmp_path / "epoch=0-step=2.ckpt") not in second.best_k_models
