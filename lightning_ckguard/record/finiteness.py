@@ -18,12 +18,14 @@ How a tensor is read depends on where it lives (measured in ``benchmarks/``):
   ``0`` (finite) or ``NaN`` by ``x * 0`` first, and only those are summed per tensor. The scale is no smaller than that
   on purpose: a product that falls below the smallest normal number costs a CPU a microcode assist, and a scale of
   ``2**-100`` made every gradient element under ``2**-26`` (``1.5e-8``, most of a trained model's) such a product: the
-  probe of a trained MLP's largest gradient took 15x a plain ``sum`` of it (``benchmarks/RESULTS.md``, A15). Which is
-  faster, this probe or ``aminmax`` (the exact alternative), depends on the CPU and its BLAS: with MKL on an Intel Xeon
-  the probe runs at the speed of a plain ``sum`` and ``aminmax`` at 1.4-1.8x that; on an AMD EPYC with 2 threads the
-  probe costs 1.45x and ``aminmax`` 1.1-1.25x. So the first step of a gradient layout measures both on its own large
-  gradients (when they hold at least :data:`CALIBRATION_MIN_NUMEL` elements; fewer are too close to time, and the probe
-  reads them) (a warm-up read, then three timed reads each, once: the reading plan is cached) and keeps the faster
+  probe of a trained MLP's largest gradient took 15x a plain ``sum`` of it (``benchmarks/RESULTS.md``, A15). Elements
+  under ``2**-113`` (``1e-34``) still give such products: the state check, which reads optimizer moments that can decay
+  that far, reads its large tensors by ``aminmax`` (``NonFiniteCheck(large_reader=...)``). Which is faster, this probe
+  or ``aminmax`` (the exact alternative), depends on the CPU and its BLAS: with MKL on an Intel Xeon the probe runs at
+  the speed of a plain ``sum`` and ``aminmax`` at 1.4-1.8x that; on an AMD EPYC with 2 threads the probe costs 1.45x and
+  ``aminmax`` 1.1-1.25x. So the first step of a gradient layout measures both on its own large gradients (when they hold
+  at least :data:`CALIBRATION_MIN_NUMEL` elements; fewer are too close to time, and the probe reads them) (a warm-up
+  read, then three timed reads each, once: the reading plan is cached) and keeps the faster
   (:func:`cpu_large_tensor_reader`); ``CKGUARD_CPU_READER=probe`` or ``=aminmax`` fixes the choice. Both are exact, so
   the choice only changes the speed. The probe needs true fp32 matrix products: when PyTorch is allowed to compute fp32
   matmuls in bf16/tf32 (``torch.backends.mkldnn.matmul.fp32_precision`` other than ``"ieee"``, e.g.
@@ -33,11 +35,13 @@ How a tensor is read depends on where it lives (measured in ``benchmarks/``):
   evicted by then; a BLAS dot of each piece right after its read (:meth:`NonFiniteCheck.read` with ``squares``) finds it
   in the core's cache. Inside a training step of the benchmark MLP, the squares then cost 0.4 ms instead of 1.0
   (``benchmarks/spike_gate.py``), and the flags alone cost less read in pieces than whole.
-- **CPU, small tensors** (at most :data:`SMALL_NUMEL` elements, fp32/fp64/bf16/fp16): tensors of one shape, when
+- **CPU, small tensors** (at most :data:`SMALL_NUMEL` elements, fp32/fp64; :data:`SMALL_NUMEL_16BIT`, bf16/fp16,
+  whose matrix products are slower than ``aminmax`` above that): tensors of one shape, when
   there are at least :data:`SMALL_BATCH_MIN` of them, are stacked into a small, bounded workspace
   (:data:`WORKSPACE_NUMEL` elements) and probed by one matrix-vector product per chunk, with the same scaling
   argument (a row is one tensor of at most :data:`SMALL_NUMEL` elements). This replaces thousands of tiny
-  per-tensor reductions by a few batched ones.
+  per-tensor reductions by a few batched ones. With squares, each member's sum of squares comes from the stacked copy
+  right after its probe, one ``vecdot`` per chunk (16-bit rows made fp32 first).
 - **Everything else** (mid-size tensors, small tensors of a rare shape, large fp64/bf16/fp16 tensors, tensors that
   no permutation makes contiguous, other dtypes): ``torch.aminmax`` per tensor, one read-only pass without
   temporaries, written straight into one preallocated ``(2, n)`` buffer per group, so a model of a few large tensors
@@ -67,6 +71,9 @@ log = logging.getLogger(__name__)
 
 #: Tensors with at most this many elements are batched into a workspace on CPU.
 SMALL_NUMEL = 4096
+#: The same for bf16 and fp16 tensors: batched, 64 tensors of 4096 elements take 2.4x the time of an ``aminmax`` each
+#: (at 2048, 1.6x; at 1024 the same; at 512 and below, batching wins: 0.77x).
+SMALL_NUMEL_16BIT = 512
 #: Tensors with more elements than this are read by the matrix probe on CPU; between ``SMALL_NUMEL`` and this, by
 #: ``aminmax``. BLAS goes multithreaded even for small products, and on a busy machine (data loader workers, other
 #: jobs) a parallel region per mid-size tensor costs far more than it saves; PyTorch's own reductions stay on one
@@ -211,12 +218,21 @@ def _flat_order(t: Tensor) -> tuple[int, ...] | None:
 
 @dataclass
 class _Chunk:
-    """Small tensors of one shape, stacked into the workspace and probed by one matrix-vector product."""
+    """Small tensors of one shape, stacked into the workspace and probed by one matrix-vector product; with squares,
+    each one's sum of squares is taken from the stacked copy right after (:func:`_row_squares`)."""
 
     members: list[int]
     stacked: Tensor  # workspace view of shape (len(members), *shape)
     matrix: Tensor  # the same memory as (len(members), numel)
     column: Tensor  # scale vector, (numel, 1)
+    dots: Tensor  # each member's sum of squares, when asked for: a view of its group's ``chunk_dots``
+
+
+def _row_squares(matrix: Tensor, out: Tensor) -> None:
+    """Each row's sum of squares into ``out``: fp32 and fp64 rows in their own precision, 16-bit ones made fp32 first
+    (an fp16 square overflows fp16 above 256; a chunk is at most :data:`WORKSPACE_NUMEL` elements)."""
+    rows = matrix if matrix.dtype in (torch.float32, torch.float64) else matrix.to(torch.float32)
+    torch.linalg.vecdot(rows, rows, out=out)
 
 
 class _ProbePiece:
@@ -373,6 +389,7 @@ class _Group:
     positions: list[int] = field(default_factory=list)  # positions in the input, in entry order
     large: _LargePieces | None = None
     chunks: list[_Chunk] = field(default_factory=list)
+    chunk_squares: _SquaresPart | None = None  # the chunks' members and their sums of squares, in chunk order
     extremes: _Extremes | None = None  # read by aminmax, in input order
     norms: list[int] = field(default_factory=list)  # accelerators
     index: dict[torch.device, Tensor] = field(default_factory=dict)  # ``positions`` as a tensor, per output device
@@ -423,8 +440,9 @@ class TakenSquares:
 
 def _squares_taken(groups: list[_Group], count: int) -> TakenSquares | None:
     """What a plan's reads take along, of ``count`` gradients: None when they take no squares."""
-    parts = [part for g in groups for reader in (g.large, g.extremes) if reader is not None
-             for part in [reader.squares_taken()] if part is not None]
+    parts = [part for g in groups for part in (None if g.large is None else g.large.squares_taken(), g.chunk_squares,
+                                               None if g.extremes is None else g.extremes.squares_taken())
+             if part is not None]
     if not parts:
         return None
     positions = [i for part in parts for i in part.positions]
@@ -441,7 +459,19 @@ class NonFiniteCheck:
 
     MAX_PLANS = 64  # bounded, like the index caches
 
-    def __init__(self) -> None:
+    def __init__(self, large_reader: str | None = None) -> None:
+        """``large_reader``: ``"aminmax"`` or ``"probe"`` fixes the reader of large fp32 CPU tensors for this check,
+        whatever ``CKGUARD_CPU_READER`` says or a measurement chose (None: as they say). ``"aminmax"`` costs the same
+        at every magnitude, where the probe slows down on elements under ``2**-113`` (``1e-34``: their scaled
+        products are subnormal), such as the decayed optimizer moments of parameters that no longer get gradients:
+        the state check's choice.
+
+        Raises:
+            ValueError: If ``large_reader`` is none of None, ``"probe"`` and ``"aminmax"``.
+        """
+        if large_reader is not None and large_reader not in CPU_READERS:
+            raise ValueError(f"`large_reader` must be None, 'probe' or 'aminmax', got {large_reader!r}.")
+        self._large_reader = large_reader
         self._plans: dict[tuple[object, ...], _Plan] = {}
         self._workspaces: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._scales: dict[tuple[torch.device, torch.dtype], Tensor] = {}
@@ -497,6 +527,8 @@ class NonFiniteCheck:
         for chunk in group.chunks:
             torch.stack([values[i] for i in chunk.members], out=chunk.stacked)
             probes.append(torch.mm(chunk.matrix, chunk.column).view(-1))
+            if squares:
+                _row_squares(chunk.matrix, chunk.dots)  # the stacked copy, in cache; the next chunk overwrites it
         if probes:
             bad.append(_non_finite(torch.cat(probes) if len(probes) > 1 else probes[0]))
         if group.extremes is not None:
@@ -536,7 +568,7 @@ class NonFiniteCheck:
             numel = values[i].numel()
             if i in converted:
                 extremes.append(i)
-            elif probe and numel <= SMALL_NUMEL:
+            elif probe and numel <= (SMALL_NUMEL if dtype in (torch.float32, torch.float64) else SMALL_NUMEL_16BIT):
                 by_shape.setdefault(tuple(values[i].shape), []).append(i)
             elif numel > LARGE_NUMEL and dtype in _LARGE_PIECE_DTYPES and _flat_order(values[i]) is not None:
                 large.append(i)
@@ -548,7 +580,7 @@ class NonFiniteCheck:
         for shape in [shape for shape, indices in by_shape.items() if len(indices) < SMALL_BATCH_MIN]:
             extremes += by_shape.pop(shape)
         if by_shape:
-            group.chunks = self._plan_chunks(device, dtype, by_shape)
+            group.chunks, group.chunk_squares = self._plan_chunks(device, dtype, by_shape)
         if extremes:
             extremes.sort()
             group.extremes = _Extremes.over(extremes, dtype, device)
@@ -561,7 +593,7 @@ class NonFiniteCheck:
         """The large fp32 tensors' reader: the probe or ``aminmax`` as forced, else the faster of the two on these
         gradients (measured once per layout). Without exact fp32 matrix products, ``aminmax``."""
         scale = self._scale(torch.device("cpu"), torch.float32, PROBE_WIDTH)
-        reader = _forced_reader() if ieee else "aminmax"
+        reader = (self._large_reader or _forced_reader()) if ieee else "aminmax"
         layout = (torch.get_num_threads(), *((values[i].shape, values[i].stride()) for i in members))
         reader = reader or _measured_layouts.get(layout)  # another reader of this layout measured it already
         if reader is None:
@@ -576,20 +608,26 @@ class NonFiniteCheck:
 
     def _plan_chunks(
         self, device: torch.device, dtype: torch.dtype, by_shape: dict[tuple[int, ...], list[int]]
-    ) -> list[_Chunk]:
+    ) -> tuple[list[_Chunk], _SquaresPart]:
+        """The chunks of ``by_shape``'s tensors, and the buffer their sums of squares go to (fp64 for fp64 tensors,
+        else fp32), with its members in chunk order."""
         workspace = self._workspace(device, dtype, max(min(len(m), max(1, WORKSPACE_NUMEL // math.prod(s)))
                                                        * math.prod(s) for s, m in by_shape.items()))
         scale = self._scale(device, dtype, max(math.prod(s) for s in by_shape))
-        chunks = []
+        members_in_order = [i for indices in by_shape.values() for i in indices]
+        dots = torch.empty(len(members_in_order), dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                           device=device)
+        chunks: list[_Chunk] = []
         for shape, indices in by_shape.items():
             numel = math.prod(shape)
             per_chunk = max(1, WORKSPACE_NUMEL // numel)
             for start in range(0, len(indices), per_chunk):
                 members = indices[start : start + per_chunk]
                 memory = workspace[: len(members) * numel]
+                taken = sum(len(c.members) for c in chunks)
                 chunks.append(_Chunk(members, memory.view(len(members), *shape), memory.view(len(members), numel),
-                                     scale[:numel].view(numel, 1)))
-        return chunks
+                                     scale[:numel].view(numel, 1), dots[taken : taken + len(members)]))
+        return chunks, _SquaresPart(members_in_order, dots, None)
 
     def _scale(self, device: torch.device, dtype: torch.dtype, length: int) -> Tensor:
         scale = self._scales.get((device, dtype))

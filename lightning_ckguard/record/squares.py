@@ -6,11 +6,13 @@
   same pass gives the exact per-tensor finiteness flags and the sum of squares.
 - **Everything else** (CPU, fp64 gradients): the finiteness flags come from :class:`NonFiniteCheck`, exact as ever.
   The fp32 and fp64 gradients it reads by the probe in pieces (the large fp32 ones) or by ``aminmax`` give their
-  squares too: a BLAS dot of each piece or tensor right after its exact read, which finds it in the core's cache
-  (:meth:`NonFiniteCheck.read`). The other gradients' squares (small ones read in batches, fp16, bf16, ones that no
-  permutation makes contiguous) take a pass of their own, in their own precision (fp16 in fp32): a BLAS dot per fp32
-  or fp64 contiguous tensor above :data:`DOT_NUMEL` elements, a fused ``_foreach_norm`` for the rest, accumulated in
-  float64 for CPU fp32 and fp16 ones above that size (an fp32 sum over a strided 4M-element tensor drifts by 1e-3).
+  squares too: a BLAS dot of each piece or tensor right after its exact read, which finds it in the core's cache; so
+  do the small ones it stacks and probes in batches, from the stacked copy (:meth:`NonFiniteCheck.read`). The other
+  gradients' squares (fp16 and bf16 ones read by ``aminmax``, ones that no permutation makes contiguous) take a pass
+  of their own, in their own precision (fp16 in fp32): a BLAS dot per fp32
+  or fp64 contiguous tensor above :data:`DOT_NUMEL` elements, a dot per piece made fp32 of an fp16 one, a fused
+  ``_foreach_norm`` for the rest, accumulated in float64 for CPU fp32 and fp16 ones above that size (an fp32 sum over a
+  strided 4M-element tensor drifts by 1e-3). A sparse gradient is coalesced once per step, by the flags' read.
   A float64 norm of every gradient would cost several times more on a CPU (7x the whole record at 2 threads,
   ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16
   norm is rounded to bf16 (a relative error of at most ``2**-8`` in the norm), then squared in float64. A tensor
@@ -27,10 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_ckguard.record.finiteness import NonFiniteCheck, TakenSquares, _dense_values
+from lightning_ckguard.record.finiteness import PIECE_NUMEL, NonFiniteCheck, _dense_values
 
-# dtypes whose float64 2-norm cannot overflow, so that its finiteness is the tensor's
-_ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# dtypes whose float64 2-norm cannot overflow, so that its finiteness is the tensor's (complex ones: of their real
+# and imaginary parts, read as a real tensor)
+_ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64, torch.complex32)
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,9 @@ class FlagsAndSquares:
                  replicas: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
         """``replicas``: per gradient, how many ranks hold the same one (:attr:`SquaresLayout.replicas`); its squares
         are divided by that count."""
-        values = [_dense_values(g) if g.layout != torch.strided or g.is_complex() else g for g in grads]
         weights = [1.0 / count for count in replicas] if replicas is not None else None
-        if _one_pass(values):
+        if _one_pass(grads):
+            values = [_real_strided(g) for g in grads]
             with torch.no_grad():
                 norm_list = torch._foreach_norm(values, 2, dtype=torch.float64)
                 norms = torch.stack(norm_list)
@@ -79,20 +82,25 @@ class FlagsAndSquares:
                     list(torch._foreach_mul(norm_list, norm_list)), weights, out_device)
             return flags.to(out_device, non_blocking=True), squares.to(out_device, non_blocking=True)
         flags, taken = self._check.read(grads, out_device, squares=True)
+        # only the gradients whose squares the read did not take are made real and strided here: a sparse one the
+        # read coalesced already is not coalesced a second time
+        rest = range(len(grads)) if taken is None else taken.rest
+        rest_values = [_real_strided(grads[i]) for i in rest]
+        rest_weights = None if weights is None else [weights[i] for i in rest]
         if taken is None:
-            return flags, _squares_in_own_precision(values, out_device, weights)
-        return flags, self._taken_and_the_rest(taken, values, out_device, weights)
-
-    def _taken_and_the_rest(self, taken: TakenSquares, values: Sequence[Tensor], out_device: torch.device,
-                            weights: Sequence[float] | None) -> Tensor:
-        """The sum of the squares the flags' read took along and of the rest's, read here in a pass of their own."""
+            return flags, _squares_in_own_precision(rest_values, out_device, rest_weights)
         squares = (taken.total() if weights is None else _summed(
             list(taken.each().unbind()), [weights[i] for i in taken.positions], torch.device("cpu")))
-        if not taken.rest:
-            return squares.to(out_device, non_blocking=True)
-        rest_weights = None if weights is None else [weights[i] for i in taken.rest]
-        return squares.to(out_device, non_blocking=True) + _squares_in_own_precision(
-            [values[i] for i in taken.rest], out_device, rest_weights)
+        if not rest_values:
+            return flags, squares.to(out_device, non_blocking=True)
+        return flags, squares.to(out_device, non_blocking=True) + _squares_in_own_precision(
+            rest_values, out_device, rest_weights)
+
+
+def _real_strided(grad: Tensor) -> Tensor:
+    """A sparse or complex gradient's values as a real strided tensor (coalesced: one read of it); others as they
+    are."""
+    return _dense_values(grad) if grad.layout != torch.strided or grad.is_complex() else grad
 
 
 class FlagsWithoutSquares:
@@ -107,50 +115,69 @@ class FlagsWithoutSquares:
         return self._check(grads, out_device), self._zero
 
 
-def _one_pass(values: Sequence[Tensor]) -> bool:
-    if not values:
+def _one_pass(grads: Sequence[Tensor]) -> bool:
+    if not grads:
         return False
-    device = values[0].device
-    return device.type != "cpu" and all(v.device == device and v.dtype in _ONE_PASS_DTYPES for v in values)
+    device = grads[0].device
+    return device.type != "cpu" and all(g.device == device and g.dtype in _ONE_PASS_DTYPES for g in grads)
 
 
 #: CPU tensors of these dtypes and more elements than this have their squares summed by one BLAS dot each: about
 #: 1.1-1.35x a plain ``sum`` at 2 threads, where a fused ``_foreach_norm`` takes about 2x (``benchmarks/spike_gate.py``)
 _DOT_DTYPES = (torch.float32, torch.float64)
 DOT_NUMEL = 1 << 12
+#: CPU tensors of these dtypes and more elements than :data:`DOT_NUMEL` are summed in pieces made fp32, a dot each:
+#: their float64 norm (the only one that neither overflows nor drifts over millions of elements) costs 15-30x a plain
+#: ``sum`` of them, the pieces about 3x.
+_PIECE_DOT_DTYPES = (torch.float16,)
 
 
 def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device,
                               weights: Sequence[float] | None = None) -> Tensor:
     """The sum of squares of ``values``, each tensor's in its own precision (fp16 in fp32) and times its weight (all 1
-    without ``weights``), summed in float64: a BLAS dot for a large contiguous CPU tensor, a fused norm per (device,
-    dtype) for the rest. A handful of kernels on top of the reads: the norms are squared by one fused multiply per
-    group (bf16 ones in float64, by three kernels), weighted by one more (only with ``weights``), and everything is
-    summed by one reduction."""
-    squares: list[Tensor] = []
-    order: list[int] = []  # the position in ``values`` of each entry of ``squares``
+    without ``weights``), summed in float64. A large contiguous CPU tensor: a BLAS dot (fp32, fp64), or a dot of each
+    piece of :data:`~lightning_ckguard.record.finiteness.PIECE_NUMEL` elements made fp32 (fp16: one piece-sized
+    temporary at a time). The rest: a fused norm per (device, dtype, precision), whose norms are stacked and squared
+    in float64 at once, so that 10,000 small gradients cost a few kernels, not a tensor each. Then one weighting
+    (only with ``weights``) and one reduction."""
+    dots: list[Tensor] = []  # a tensor's sum of squares each, 0-d
+    blocks: list[Tensor] = []  # a group's squares, 1-d float64
+    order: list[int] = []  # the position in ``values`` of each entry of ``dots``, then of ``blocks``
+    block_order: list[int] = []
     by_group: dict[tuple[torch.device, torch.dtype, torch.dtype | None], list[tuple[int, Tensor]]] = {}
     with torch.no_grad():
         for position, value in enumerate(values):
-            if value.device.type == "cpu" and value.dtype in _DOT_DTYPES and value.numel() > DOT_NUMEL and (
-                    value.is_contiguous()):
+            large_on_cpu = value.device.type == "cpu" and value.numel() > DOT_NUMEL and value.is_contiguous()
+            if large_on_cpu and value.dtype in _DOT_DTYPES:
                 flat = value.view(-1)
-                squares.append(torch.dot(flat, flat))
-                order.append(position)
+                dots.append(torch.dot(flat, flat))
+            elif large_on_cpu and value.dtype in _PIECE_DOT_DTYPES:
+                dots.append(_piece_dots(value))
             else:
                 by_group.setdefault((value.device, value.dtype, _norm_precision(value)), []).append((position, value))
+                continue
+            order.append(position)
         for (_, _, precision), group in by_group.items():
-            norms = torch._foreach_norm([v for _, v in group], 2, dtype=precision)
-            if norms[0].dtype in _DOT_DTYPES:
-                squares += torch._foreach_mul(norms, norms)
-            else:  # bf16 norms squared in float64: rounded once, not twice
-                stacked = torch.stack(norms).to(torch.float64)
-                squares += stacked.mul(stacked).unbind()
-            order += [position for position, _ in group]
-        if not squares:
+            norms = torch.stack(torch._foreach_norm([v for _, v in group], 2, dtype=precision)).to(torch.float64)
+            blocks.append(norms.mul(norms).to(out_device, non_blocking=True))  # bf16 norms: rounded once, not twice
+            block_order += [position for position, _ in group]
+        parts = ([torch.stack(dots).to(out_device, torch.float64, non_blocking=True)] if dots else []) + blocks
+        if not parts:
             return torch.zeros((), dtype=torch.float64, device=out_device)
-        in_order = [weights[position] for position in order] if weights is not None else None
-        return _summed(squares, in_order, out_device)
+        squares = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if weights is None:
+            return squares.sum()
+        return _summed(list(squares.unbind()), [weights[position] for position in order + block_order], out_device)
+
+
+def _piece_dots(value: Tensor) -> Tensor:
+    """The sum of squares of a contiguous fp16 CPU tensor: a dot of each piece made fp32 (an fp16 value's square is at
+    most ``4.3e9``, a piece's sum of them ``1.2e15``: nothing overflows), summed in float64."""
+    dots = []
+    for piece in value.view(-1).split(PIECE_NUMEL):
+        wide = piece.to(torch.float32)
+        dots.append(torch.dot(wide, wide))
+    return torch.stack(dots).sum(dtype=torch.float64)
 
 
 def _norm_precision(value: Tensor) -> torch.dtype | None:

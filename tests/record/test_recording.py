@@ -42,7 +42,8 @@ def test_nan_and_both_infinities_are_flagged_per_tensor(value, dtype, copies):
 def test_the_batched_small_tensor_probe_never_overflows(dtype):
     # the largest finite values of the dtype, in the most elements the batched path takes
     largest = torch.finfo(dtype).max
-    grads = [torch.full((finiteness.SMALL_NUMEL,), sign * largest, dtype=dtype)
+    most = finiteness.SMALL_NUMEL if dtype in (torch.float32, torch.float64) else finiteness.SMALL_NUMEL_16BIT
+    grads = [torch.full((most,), sign * largest, dtype=dtype)
              for sign in (1, -1) for _ in range(finiteness.SMALL_BATCH_MIN)]
     check = NonFiniteCheck()
     assert not check(grads, torch.device("cpu")).any()
@@ -359,3 +360,29 @@ def test_an_unknown_forced_reader_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("CKGUARD_CPU_READER", "fastest")
     with pytest.raises(ValueError, match="CKGUARD_CPU_READER must be one of 'auto', 'probe', 'aminmax'"):
         NonFiniteCheck()([torch.randn(1024, 1024)], torch.device("cpu"))
+
+
+def test_the_probe_keeps_the_products_of_a_trained_models_gradients_normal():
+    """Speed, pinned without a timing: a product below fp32's smallest normal number costs a CPU a microcode assist.
+    With a scale of ``2**-100`` a trained MLP's gradients (most under ``1e-8``) made the read 4-15x slower
+    (``benchmarks/RESULTS.md`` A15)."""
+    tiny = torch.finfo(torch.float32).tiny
+    for magnitude in (1e-11, 1e-20, 1e-30):
+        assert magnitude * finiteness._PROBE_SCALE >= tiny
+
+
+def test_the_state_check_reads_large_tensors_by_aminmax_at_any_setting(monkeypatch):
+    """The state's magnitudes are anyone's (optimizer moments decaying under 1e-34 slow the probe down): the state
+    check fixes ``aminmax`` for its large tensors, whatever the environment forces; it stays exact."""
+    from lightning_ckguard.record.state_check import StateCheck
+
+    monkeypatch.setenv("CKGUARD_CPU_READER", "probe")
+    state = [("exp_avg", torch.full((1 << 19,), 1e-36)), ("weight", torch.full((1 << 19,), 3e38))]
+    check = StateCheck()
+    assert check.non_finite(state) == []
+    (plan,) = check._check._plans.values()
+    assert plan.groups[0].large.reader == "aminmax"
+    state[0][1][-1] = float("nan")
+    assert check.non_finite(state) == ["exp_avg"]
+    with pytest.raises(ValueError, match="`large_reader` must be None, 'probe' or 'aminmax'"):
+        NonFiniteCheck(large_reader="fastest")
