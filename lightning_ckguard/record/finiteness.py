@@ -480,12 +480,14 @@ class NonFiniteCheck:
         """Return a bool tensor on ``out_device``: ``flags[i]`` is True when ``grads[i]`` is not finite."""
         return self.read(grads, out_device)[0]
 
-    def read(self, grads: Sequence[Tensor], out_device: torch.device,
-             squares: bool = False) -> tuple[Tensor, TakenSquares | None]:
+    def read(self, grads: Sequence[Tensor], out_device: torch.device, squares: bool = False, *,
+             converted: list[Tensor] | None = None) -> tuple[Tensor, TakenSquares | None]:
         """The flags, as calling this object gives them. With ``squares``, also the sums of squares of the CPU
         gradients whose squares a BLAS dot could take right after their exact read, from cache: the large fp32 ones
-        (piece by piece) and the contiguous fp32 and fp64 ones read by ``aminmax``; None when there were none. The
-        others' squares are the caller's to read."""
+        (piece by piece), the small ones read in batches (from their stacked copy) and the contiguous fp32 and fp64
+        ones read by ``aminmax``; None when there were none. The others' squares are the caller's to read:
+        ``converted``, a list, is filled with the values read (sparse and complex gradients as real strided
+        tensors, coalesced), so that the caller need not convert them a second time."""
         ieee = _fp32_matmul_is_ieee()
         key = (ieee, *map(_layout_key, grads))
         values = list(grads)
@@ -498,6 +500,8 @@ class NonFiniteCheck:
                 plan = self._plans[key] = self._plan(values, ieee)
             for i in plan.converted:
                 values[i] = _dense_values(values[i])
+            if converted is not None:
+                converted[:] = values
             try:
                 parts = [self._read(group, values, squares) for group in plan.groups]
                 taken = plan.taken if squares else None
