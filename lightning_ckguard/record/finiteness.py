@@ -225,7 +225,7 @@ class _Chunk:
     stacked: Tensor  # workspace view of shape (len(members), *shape)
     matrix: Tensor  # the same memory as (len(members), numel)
     column: Tensor  # scale vector, (numel, 1)
-    dots: Tensor  # each member's sum of squares, when asked for: a view of its group's ``chunk_dots``
+    dots: Tensor  # each member's sum of squares, when asked for: a view of its group's ``chunk_squares.dots``
 
 
 def _row_squares(matrix: Tensor, out: Tensor) -> None:

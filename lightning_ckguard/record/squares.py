@@ -4,21 +4,20 @@
   float64 (``_foreach_norm(dtype=float64)``). Its squares cannot overflow: the largest fp32 value squared is about
   ``1.2e77``, and float64 holds sums of ``1e231`` of those. So a norm is finite exactly when its tensor is, and the
   same pass gives the exact per-tensor finiteness flags and the sum of squares.
-- **Everything else** (CPU, fp64 gradients): the finiteness flags come from :class:`NonFiniteCheck`, exact as ever.
-  The fp32 and fp64 gradients it reads by the probe in pieces (the large fp32 ones) or by ``aminmax`` give their
-  squares too: a BLAS dot of each piece or tensor right after its exact read, which finds it in the core's cache; so
-  do the small ones it stacks and probes in batches, from the stacked copy (:meth:`NonFiniteCheck.read`). The other
-  gradients' squares (fp16 and bf16 ones read by ``aminmax``, ones that no permutation makes contiguous) take a pass
-  of their own, in their own precision (fp16 in fp32): a BLAS dot per fp32
-  or fp64 contiguous tensor above :data:`DOT_NUMEL` elements, a dot per piece made fp32 of an fp16 one, a fused
-  ``_foreach_norm`` for the rest, accumulated in float64 for CPU fp32 and fp16 ones above that size (an fp32 sum over a
-  strided 4M-element tensor drifts by 1e-3). A sparse gradient is coalesced once per step, by the flags' read.
-  A float64 norm of every gradient would cost several times more on a CPU (7x the whole record at 2 threads,
-  ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16
-  norm is rounded to bf16 (a relative error of at most ``2**-8`` in the norm), then squared in float64. A tensor
-  whose squares overflow that precision (an fp32 gradient or piece whose norm is above about ``1.8e19``) has a sum of
-  squares of ``inf`` although it is finite: it is not flagged (the flags are exact), and a spike gate sees a value
-  above every baseline, which it is.
+- **Everything else** (CPU, fp64 gradients): the finiteness flags come from :class:`NonFiniteCheck`, exact as ever. The
+  fp32 and fp64 gradients it reads by the probe in pieces (the large fp32 ones) or by ``aminmax`` give their squares
+  too: a BLAS dot of each piece or tensor right after its exact read, which finds it in the core's cache; so do the
+  small ones it stacks and probes in batches, from the stacked copy (:meth:`NonFiniteCheck.read`). The other gradients'
+  squares (fp16 and bf16 ones read by ``aminmax``, ones that no permutation makes contiguous) take a pass of their own,
+  in their own precision (fp16 in fp32): a BLAS dot per fp32 or fp64 contiguous tensor above :data:`DOT_NUMEL` elements,
+  a dot per piece made fp32 of an fp16 one, a fused ``_foreach_norm`` for the rest, accumulated in float64 for CPU fp32
+  and fp16 ones above that size (an fp32 sum over a strided 4M-element tensor drifts by 1e-3). A sparse gradient is
+  coalesced once per step, by the flags' read. A float64 norm of every gradient would cost several times more on a CPU
+  (7x the whole record at 2 threads, ``benchmarks/spike_gate.py``), an fp32 one over bf16 gradients 70x; a bf16 norm is
+  rounded to bf16 (a relative error of at most ``2**-8`` in the norm), then squared in float64. A tensor whose squares
+  overflow that precision (an fp32 gradient or piece whose norm is above about ``1.8e19``) has a sum of squares of
+  ``inf`` although it is finite: it is not flagged (the flags are exact), and a spike gate sees a value above every
+  baseline, which it is.
 """
 
 from __future__ import annotations
