@@ -99,6 +99,9 @@ PROBE_ROW_LIMIT = max(PROBE_WIDTH, SMALL_NUMEL)
 # smaller: a product below the dtype's smallest normal number is slow on a CPU (see the module docstring).
 _PROBE_SCALE = 2.0 ** -PROBE_ROW_LIMIT.bit_length()
 _PROBE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: Dtypes whose squares are summed in their own precision (a dot of fp16 values overflows, of bf16 ones rounds twice:
+#: they are made fp32 first) and whose small tensors are batched up to ``SMALL_NUMEL`` elements.
+WIDE_DTYPES = (torch.float32, torch.float64)
 # Dtypes whose large tensors are read in pieces on CPU; the others are read whole by aminmax there (benchmarks/).
 _LARGE_PIECE_DTYPES = (torch.float32,)
 
@@ -187,7 +190,8 @@ class IndexTensors:
 
 
 def _dense_values(grad: Tensor) -> Tensor:
-    """The stored values of a sparse or complex gradient, as a real strided tensor."""
+    """The stored values of a sparse or complex gradient, as a real strided tensor (a sparse one coalesced); any
+    other gradient as it is."""
     if grad.is_sparse:
         # coalescing sums duplicate indices, as the optimizer will, so an overflow of the sum is caught too
         grad = grad.coalesce().values()
@@ -231,7 +235,7 @@ class _Chunk:
 def _row_squares(matrix: Tensor, out: Tensor) -> None:
     """Each row's sum of squares into ``out``: fp32 and fp64 rows in their own precision, 16-bit ones made fp32 first
     (an fp16 square overflows fp16 above 256; a chunk is at most :data:`WORKSPACE_NUMEL` elements)."""
-    rows = matrix if matrix.dtype in (torch.float32, torch.float64) else matrix.to(torch.float32)
+    rows = matrix if matrix.dtype in WIDE_DTYPES else matrix.to(torch.float32)
     torch.linalg.vecdot(rows, rows, out=out)
 
 
@@ -350,7 +354,7 @@ class _Extremes:
         """Plan a BLAS dot after the read of each fp32 or fp64 member that some permutation makes contiguous
         (channels-last ones too), while it is in cache (the others' squares are left to the caller: a dot of fp16
         overflows, one of bf16 rounds twice)."""
-        if self.buffer.dtype not in (torch.float32, torch.float64):
+        if self.buffer.dtype not in WIDE_DTYPES:
             return
         orders = {i: _flat_order(values[i]) for i in self.members}
         self.squared = [i for i in self.members if orders[i] is not None]
@@ -572,7 +576,7 @@ class NonFiniteCheck:
             numel = values[i].numel()
             if i in converted:
                 extremes.append(i)
-            elif probe and numel <= (SMALL_NUMEL if dtype in (torch.float32, torch.float64) else SMALL_NUMEL_16BIT):
+            elif probe and numel <= (SMALL_NUMEL if dtype in WIDE_DTYPES else SMALL_NUMEL_16BIT):
                 by_shape.setdefault(tuple(values[i].shape), []).append(i)
             elif numel > LARGE_NUMEL and dtype in _LARGE_PIECE_DTYPES and _flat_order(values[i]) is not None:
                 large.append(i)
@@ -622,15 +626,16 @@ class NonFiniteCheck:
         dots = torch.empty(len(members_in_order), dtype=torch.float64 if dtype == torch.float64 else torch.float32,
                            device=device)
         chunks: list[_Chunk] = []
+        offset = 0  # into ``dots``, of the next chunk's members
         for shape, indices in by_shape.items():
             numel = math.prod(shape)
             per_chunk = max(1, WORKSPACE_NUMEL // numel)
             for start in range(0, len(indices), per_chunk):
                 members = indices[start : start + per_chunk]
                 memory = workspace[: len(members) * numel]
-                taken = sum(len(c.members) for c in chunks)
                 chunks.append(_Chunk(members, memory.view(len(members), *shape), memory.view(len(members), numel),
-                                     scale[:numel].view(numel, 1), dots[taken : taken + len(members)]))
+                                     scale[:numel].view(numel, 1), dots[offset : offset + len(members)]))
+                offset += len(members)
         return chunks, _SquaresPart(members_in_order, dots, None)
 
     def _scale(self, device: torch.device, dtype: torch.dtype, length: int) -> Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_ckguard.record.finiteness import PIECE_NUMEL, NonFiniteCheck, _dense_values
+from lightning_ckguard.record.finiteness import PIECE_NUMEL, WIDE_DTYPES, NonFiniteCheck, _dense_values
 
 # dtypes whose float64 2-norm cannot overflow, so that its finiteness is the tensor's (complex ones: of their real
 # and imaginary parts, read as a real tensor)
@@ -72,7 +72,7 @@ class FlagsAndSquares:
         weights = [1.0 / count for count in replicas] if replicas is not None else None
         if _one_pass(grads):
             with torch.no_grad():
-                norm_list = torch._foreach_norm([_real_strided(g) for g in grads], 2, dtype=torch.float64)
+                norm_list = torch._foreach_norm([_dense_values(g) for g in grads], 2, dtype=torch.float64)
                 norms = torch.stack(norm_list)
                 flags = norms.mul(0).ne(0)  # ~isfinite, as NonFiniteCheck computes it
                 # not finite with any flag set: the step is the finiteness check's, and a spike gate skips it
@@ -94,12 +94,6 @@ class FlagsAndSquares:
             rest_values, out_device, rest_weights)
 
 
-def _real_strided(grad: Tensor) -> Tensor:
-    """A sparse or complex gradient's values as a real strided tensor (coalesced: one read of it); others as they
-    are."""
-    return _dense_values(grad) if grad.layout != torch.strided or grad.is_complex() else grad
-
-
 class FlagsWithoutSquares:
     """What :class:`FlagsAndSquares` gives when nothing needs the squares (no spike gate, or one that watches only the
     loss): :class:`NonFiniteCheck`'s flags, and a constant zero for the squares (no kernel, no read)."""
@@ -119,9 +113,9 @@ def _one_pass(grads: Sequence[Tensor]) -> bool:
     return device.type != "cpu" and all(g.device == device and g.dtype in _ONE_PASS_DTYPES for g in grads)
 
 
-#: CPU tensors of these dtypes and more elements than this have their squares summed by one BLAS dot each: about
-#: 1.1-1.35x a plain ``sum`` at 2 threads, where a fused ``_foreach_norm`` takes about 2x (``benchmarks/spike_gate.py``)
-_DOT_DTYPES = (torch.float32, torch.float64)
+#: CPU tensors of :data:`~lightning_ckguard.record.finiteness.WIDE_DTYPES` and more elements than this have their
+#: squares summed by one BLAS dot each: about 1.1-1.35x a plain ``sum`` at 2 threads, where a fused ``_foreach_norm``
+#: takes about 2x (``benchmarks/spike_gate.py``)
 DOT_NUMEL = 1 << 12
 #: CPU tensors of these dtypes and more elements than :data:`DOT_NUMEL` are summed in pieces made fp32, a dot each:
 #: their float64 norm (the only one that neither overflows nor drifts over millions of elements) costs 15-30x a plain
@@ -145,7 +139,7 @@ def _squares_in_own_precision(values: Sequence[Tensor], out_device: torch.device
     with torch.no_grad():
         for position, value in enumerate(values):
             large_on_cpu = value.device.type == "cpu" and value.numel() > DOT_NUMEL and value.is_contiguous()
-            if large_on_cpu and value.dtype in _DOT_DTYPES:
+            if large_on_cpu and value.dtype in WIDE_DTYPES:
                 flat = value.view(-1)
                 dots.append(torch.dot(flat, flat))
             elif large_on_cpu and value.dtype in _PIECE_DOT_DTYPES:
