@@ -9,6 +9,7 @@ a callback holds compares equal to its copy in a checkpoint, a queue or another 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -49,9 +50,14 @@ class Spike:
         """One clause for a person, e.g. ``the loss spiked at step 12 to 1.2e+06, 1.5e+06x its baseline of 0.81``."""
         steps = f"step {self.first_step}" if self.first_step == self.last_step else (
             f"steps {self.first_step} to {self.last_step}")
+        measure = _MEASURE_WORDS.get(self.measure, self.measure)
+        if math.isinf(self.value):  # finite gradients whose squares overflowed their sum: say so, not "inf"
+            return (f"{measure} spiked at {steps} past the range of its sum of squares (finite gradients whose "
+                    f"squares overflowed it: a norm above about 1.8e19 for float32 gradients), far above its "
+                    f"baseline of {self.baseline:.4g}")
         # "times" only means something above a positive baseline; below one, the rise itself
         rise = f"{self.ratio:.3g}x" if self.baseline > 0 else f"{self.value - self.baseline:.4g} above"
-        return (f"{_MEASURE_WORDS.get(self.measure, self.measure)} spiked at {steps} to {self.value:.4g}, "
+        return (f"{measure} spiked at {steps} to {self.value:.4g}, "
                 f"{rise} its baseline of {self.baseline:.4g} ({self.deviations:.3g} deviations)")
 
 

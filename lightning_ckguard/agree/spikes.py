@@ -24,6 +24,7 @@ spikes.
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -85,15 +86,18 @@ class SpikeGate:
             raise ValueError(f"`SpikeGate(measures=...)` takes one or both of {MEASURES}, each once; got "
                              f"{self.measures!r}.")
         object.__setattr__(self, "measures", measures)
+        # numpy scalars too (a sweep's grid yields them), kept as plain Python numbers so the gate stays a plain value
         for name, low in (("factor", 1.0), ("deviations", 0.0)):
             value = getattr(self, name)
-            number = isinstance(value, int | float) and not isinstance(value, bool)
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
             if not number or not _finite(value) or value <= low:
                 raise ValueError(f"`SpikeGate({name}=...)` must be a finite number above {low:g}, got {value!r}.")
+            object.__setattr__(self, name, float(value))
         for name, least in (("warmup_steps", 0), ("history", 8), ("resolution", 2)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
                 raise ValueError(f"`SpikeGate({name}=...)` must be an integer of at least {least}, got {value!r}.")
+            object.__setattr__(self, name, int(value))
         if self.history < self.warmup_steps:
             raise ValueError(f"`SpikeGate(history={self.history})` must hold at least `warmup_steps` "
                              f"({self.warmup_steps}) values, or the warm-up never ends.")

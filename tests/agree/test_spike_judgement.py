@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -51,6 +53,18 @@ from lightning_ckguard.record.window import NonFiniteWindow
 def test_bad_values_are_value_errors_at_construction(arguments, message):
     with pytest.raises(ValueError, match=message):
         SpikeGate(**arguments)
+
+
+def test_numpy_numbers_are_taken_and_kept_as_plain_python_numbers():
+    # a sweep's grid yields numpy scalars, which FiniteGradCheckpoint's own arguments take too
+    gate = SpikeGate(factor=np.float32(5.0), deviations=np.float64(3), warmup_steps=np.int64(10),
+                     history=np.int32(200), resolution=np.int64(64))
+    assert gate == SpikeGate(factor=5.0, deviations=3.0, warmup_steps=10, history=200, resolution=64)
+    assert [type(getattr(gate, name)) for name in ("factor", "deviations", "warmup_steps", "history", "resolution")] \
+        == [float, float, int, int, int]
+    for bad in ({"factor": np.bool_(True)}, {"warmup_steps": np.float64(3.0)}):
+        with pytest.raises(ValueError, match="SpikeGate"):
+            SpikeGate(**bad)
 
 
 def test_a_single_measure_may_be_named_alone_and_the_gate_is_a_value():
@@ -394,6 +408,30 @@ def test_a_finite_spike_rejects_with_its_step_value_and_baseline_and_teaches_not
     report = verdict.report("train batch end")
     assert report.metrics()["ckguard/loss_window_max"] == error.spikes[0].value
     assert report.metrics()["ckguard/loss_baseline"] == error.spikes[0].baseline
+
+
+def test_finite_gradients_whose_squares_overflow_spike_in_words_that_say_so():
+    # 1e20 everywhere: finite, and never flagged, but the squares of a 1 MiB fp32 piece overflow their sum
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = GradientGuard(model, spike_gate=SpikeGate(warmup_steps=8, history=64))
+    for step in range(12):
+        optimizer.zero_grad()
+        model(torch.randn(4, 512)).pow(2).mean().backward()
+        if step == 10:
+            for param in model.parameters():
+                param.grad.fill_(1e20)
+        guard.record(optimizer, loss=torch.tensor(1.0))
+        if step % 2:
+            verdict = guard.agree(None, global_step=step + 1)
+            if verdict.accepted:
+                guard.reset()
+    assert not verdict.accepted and verdict.ranks == ()
+    (spike,) = verdict.to_error().spikes
+    assert (spike.measure, spike.first_step, math.isinf(spike.value)) == ("grad_norm", 10, True)
+    message = str(verdict.to_error())
+    assert "past the range of its sum of squares" in message and not re.search(r"\binf", message)
 
 
 def test_a_loss_given_before_its_step_is_recorded_is_that_steps_loss():
