@@ -46,7 +46,16 @@ from lightning_ckguard.agree.agreement import (
     reach_verdict,
     roll_call,
 )
-from lightning_ckguard.agree.spikes import SpikeCheck, SpikeGate, SpikeHistory, StepMeasures, global_values, judge
+from lightning_ckguard.agree.spikes import (
+    SpikeCheck,
+    SpikeGate,
+    SpikeHistory,
+    StepMeasures,
+    global_values,
+    judge,
+    judged_alike,
+    judged_alike_words,
+)
 from lightning_ckguard.errors import StateCheckError
 from lightning_ckguard.record.source_selection import default_gradient_source
 from lightning_ckguard.record.sources import GradientSource, unwrap_module
@@ -217,14 +226,17 @@ class GradientGuard:
         collective = default_collective(collective)
         summary, device, failure = self._own_summary(state)
         rank, world_size = rank_and_world(collective)
-        spike_check = self._judge_spikes(collective, world_size)
+        spike_check, spike_words = self._judge_spikes(collective, world_size)
         own = RankReport.from_summary(rank, summary)
-        words = [*ballot(own, world_size, self.count_skipped_steps), *carry, *failure_words(collective, failure)]
+        words = [*ballot(own, world_size, self.count_skipped_steps), *carry, *failure_words(collective, failure),
+                 *spike_words]
         reduced = all_reduce_values(collective, torch.tensor(words, dtype=torch.int64, device=device)).tolist()
         if global_step is not None and (isinstance(global_step, bool) or not isinstance(global_step, Integral)):
             raise ValueError(f"`global_step` must be an int or None, got {global_step!r}.")
         step = self._steps_seen if global_step is None else int(global_step)
-        self._raise_failed_check(collective, reduced[TALLY_SIZE + len(carry):], failure, step)
+        spike_part = len(words) - len(spike_words)
+        self._raise_failed_check(collective, reduced[TALLY_SIZE + len(carry) : spike_part], failure, step)
+        self._raise_unlike_spike_gates(reduced[spike_part:], step)
         tally = Tally.from_words(reduced[:TALLY_SIZE], world_size)
         roll = RollCall()
         if tally.rejects:  # only now, the names: every rank took the same branch from the same tally
@@ -259,16 +271,30 @@ class GradientGuard:
             self._accepted_window = None  # a boundary that decided nothing teaches a spike gate nothing
             raise StateCheckError(ranks=found.ranks, global_step=step, cause=found.cause) from failure
 
-    def _judge_spikes(self, collective: Any, world_size: int) -> SpikeCheck:
+    def _judge_spikes(self, collective: Any, world_size: int) -> tuple[SpikeCheck, list[int]]:
         """With a spike gate, every rank's step values summed (one all-reduce of a fixed size) and judged against
-        the accepted history: the same check on every rank. The window is kept until it is learned or dropped."""
+        the accepted history: the same check on every rank, as long as every rank holds the same history and window
+        steps. The words that let the agreement tell (:func:`judged_alike_words`), empty without a gate. The window
+        is kept until it is learned or dropped."""
         values, history = self.window.step_values, self._spike_history
         if values is None or history is None or self.spike_gate is None:
-            return SpikeCheck()
+            return SpikeCheck(), []
         summed = all_reduce_values(collective, values.summary().clone(), op="sum").tolist()
         measures = global_values(summed, values.capacity, values.labels, world_size)
         self._accepted_window = measures  # until the verdict says otherwise
-        return judge(self.spike_gate, history, measures)
+        return judge(self.spike_gate, history, measures), judged_alike_words(history, values.labels)
+
+    def _raise_unlike_spike_gates(self, reduced: Sequence[int], step: int) -> None:
+        """After the agreement's collective: if the ranks' spike gates would not judge alike (a history loaded, or a
+        window reset, on some ranks only), every rank raises the same error, before anything is decided."""
+        if judged_alike(reduced):
+            return
+        self._accepted_window = None
+        raise RuntimeError(
+            f"The spike gate's state differs between ranks at global step {step}: its accepted history or the steps of "
+            "its window are not the same on every rank, so the ranks would judge this window differently. Call the "
+            "guard's `load_state_dict` and `reset` on every rank alike. Nothing was decided, written, deleted or "
+            "linked for this boundary on any rank.")
 
     def note_constant_buffers(self, module: nn.Module) -> frozenset[str]:
         """Leave ``module``'s buffers that hold non-finite values now (an attention mask filled with ``-inf``) out of

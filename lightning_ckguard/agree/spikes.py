@@ -23,9 +23,11 @@ spikes.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import statistics
+import struct
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -245,4 +247,24 @@ def judge(gate: SpikeGate, history: SpikeHistory, measures: StepMeasures) -> Spi
     return SpikeCheck(tuple(spikes), tuple(levels))
 
 
-__all__ = ["Level", "SpikeCheck", "SpikeGate", "SpikeHistory", "StepMeasures", "global_values", "judge", "scores"]
+def judged_alike_words(history: SpikeHistory, labels: Sequence[Sequence[int]]) -> list[int]:
+    """What a verdict depends on besides the summed step values (the gate, its accepted history, the window's step
+    labels), as two int64 words for an all-reduce with MAX: a 56-bit digest and its negation, whose reduced pair
+    :func:`judged_alike` reads. Ranks that hold the same judge alike (:func:`judge` is pure)."""
+    digest = hashlib.blake2b(repr(history.gate).encode(), digest_size=7)
+    for measure, values in history.values.items():
+        digest.update(measure.encode())
+        digest.update(struct.pack(f"<q{len(values)}d", len(values), *values))
+    digest.update(struct.pack(f"<{2 * len(labels)}q", *(step for label in labels for step in label)))
+    value = int.from_bytes(digest.digest(), "little")
+    return [value, -value]
+
+
+def judged_alike(reduced: Sequence[int]) -> bool:
+    """Whether every rank sent the same :func:`judged_alike_words` (reduced with MAX: the largest digest and minus
+    the smallest); True without them (no gate)."""
+    return not reduced or int(reduced[0]) == -int(reduced[1])
+
+
+__all__ = ["Level", "SpikeCheck", "SpikeGate", "SpikeHistory", "StepMeasures", "global_values", "judge", "judged_alike",
+           "judged_alike_words", "scores"]

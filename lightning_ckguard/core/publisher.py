@@ -123,7 +123,8 @@ class CheckpointPublisher:
         self.collective = collective
         self.dirpath = os.fspath(dirpath)
         self.guard = guard
-        #: The verdict of the most recent ``save`` (accepted or not), the same on every rank; None without a guard.
+        #: The verdict of the most recent ``save`` (accepted or not), the same on every rank; None without a guard,
+        #: and after a ``save`` whose agreement raised before reaching one (a state check that failed on some rank).
         self.last_verdict: Verdict | None = None
         fs = get_filesystem(self.dirpath)
         storage = storage_for(fs)
@@ -190,6 +191,7 @@ class CheckpointPublisher:
                              f"{type(state).__name__}.")
         verdict = None
         if self.guard is not None:
+            self.last_verdict = None  # not the previous save's, if this agreement raises
             verdict = self.guard.agree(self.collective, global_step=global_step, state=state)
             self.last_verdict = verdict
             if not verdict.accepted:

@@ -20,7 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from conftest import OUT, WorkerResults
 from helpers import hook_writes
-from lightning_ckguard import CheckpointPublisher, GradientGuard, NonFiniteGradientError
+from lightning_ckguard import CheckpointPublisher, GradientGuard, NonFiniteGradientError, StateCheckError
 
 
 @pytest.fixture(scope="module")
@@ -340,6 +340,20 @@ def test_a_state_that_is_no_dict_is_a_value_error_at_the_call_and_writes_nothing
         publisher.save("step=1.ckpt", state)
     assert os.listdir(tmp_path) == []
     assert guard.steps_recorded == 1 and publisher.last_verdict is None  # nothing agreed: the window stands
+
+
+def test_a_save_whose_state_check_raises_leaves_no_earlier_verdict_as_its_own(tmp_path):
+    model = _model()
+    guard = GradientGuard(model)
+    publisher = CheckpointPublisher(None, tmp_path, guard=guard)
+    model(torch.randn(3, 4)).sum().backward()
+    guard.record()
+    publisher.save("step=1.ckpt", {"model": model})
+    assert publisher.last_verdict is not None and publisher.last_verdict.accepted
+    with pytest.raises(StateCheckError):  # a tensor left on the meta device: the check itself fails
+        publisher.save("step=2.ckpt", {"model": model, "extra": torch.empty(3, device="meta")})
+    assert publisher.last_verdict is None, "the verdict of the most recent save: it reached none"
+    assert os.listdir(tmp_path) == ["step=1.ckpt"]
 
 
 def _distributed_checkpoint_failure(rank: int) -> BaseException:

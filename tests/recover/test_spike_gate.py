@@ -198,6 +198,17 @@ def test_the_gate_reads_negative_losses_as_they_are(worker_results):
 
 
 
+def test_gates_that_would_judge_unlike_raise_the_same_error_on_every_rank(worker_results):
+    # a history loaded, or a window reset, on rank 0 only: each rank would judge against its own history or steps,
+    # rank 0 rejecting the spike and rank 1 accepting it (and waiting alone in its next collective)
+    outcomes = [results["unlike-gates"]["outcomes"] for results in results_for("ddp", worker_results)]
+    assert outcomes[0] == outcomes[1], "every rank the same"
+    assert [outcome["misuse"] for outcome in outcomes[0]] == ["history loaded on rank 0", "window reset on rank 0"]
+    for outcome in outcomes[0]:
+        assert outcome["error"] and "differs between ranks" in outcome["error"], outcome
+        assert "at global step 2" in outcome["error"] and "on every rank alike" in outcome["error"]
+
+
 def test_a_vote_that_finds_the_monitored_key_missing_teaches_the_gate_nothing(worker_results):
     # each due boundary's vote is an agreement with peers: the window it accepted was never published, and is not
     # learned (by the callback's state at the fit's end either)

@@ -21,6 +21,8 @@ rank runs every scenario in one process group (60 s collective timeouts) and wri
   rejected, every rank goes back to the checkpoint published before it and trains on with the next batch, so every
   later checkpoint should be ``reference``'s (one global step later);
 - ``raise``: the spiked data, ``on_non_finite="raise"``: every rank raises the same error at the boundary after it;
+- ``unlike-gates`` (DDP only, Trainer-free): a history loaded, then a window reset, on rank 0 only: each agreement
+  raises the same error on every rank;
 - ``negative-loss`` (DDP only, Trainer-free): a ``GradientGuard`` per rank on the process group, one agreement per
   step, with negative losses (a log-likelihood's, say): what the gate reads as the global loss of each step.
 
@@ -279,6 +281,34 @@ def negative_loss(root: str) -> dict[str, Any]:
     return {"steps": steps}
 
 
+def unlike_gates(root: str) -> dict[str, Any]:
+    """Two misuses of the Trainer-free guard that leave the ranks' gates unlike: a history loaded on rank 0 only (a
+    resume that loads on rank 0 and broadcasts the weights), then a window reset on rank 0 only. Each agreement
+    should raise the same error on every rank, not a verdict per rank (rank 0 rejecting a spike its baseline sees,
+    rank 1 accepting it and waiting in the next collective)."""
+    from lightning_ckguard import GradientGuard
+
+    rank = torch.distributed.get_rank()
+    module = nn.Linear(2, 1)
+    outcomes = []
+    for misuse in ("history loaded on rank 0", "window reset on rank 0"):
+        guard = GradientGuard(module, spike_gate=gate())
+        if misuse.startswith("history") and rank == 0:
+            guard.load_state_dict({"spike_history": {"loss": [1.0, 1.1, 0.9, 1.0], "grad_norm": [1.0] * 4}})
+        for step, loss in enumerate((1.0, 1e4)):
+            module(torch.ones(1, 2)).sum().backward()
+            guard.record(None, step=step, loss=torch.tensor(loss))
+            module.zero_grad()
+            if misuse.startswith("window") and rank == 0 and step == 0:
+                guard.reset()
+        try:
+            verdict = guard.agree(torch.distributed.group.WORLD, global_step=2)
+            outcomes.append({"misuse": misuse, "accepted": verdict.accepted, "error": None})
+        except RuntimeError as error:
+            outcomes.append({"misuse": misuse, "accepted": None, "error": str(error)})
+    return {"outcomes": outcomes}
+
+
 def unlogged_monitor(root: str) -> dict[str, Any]:
     """A monitored key no rank ever logs: each due boundary's top-K vote (an agreement, with peers) finds it missing,
     nothing is written, and no window is published, so the gate has learned nothing when the fit ends; and no rank
@@ -343,6 +373,7 @@ def scenarios(kind: str) -> dict[str, Any]:
     }
     if kind == "ddp":
         table["negative-loss"] = negative_loss
+        table["unlike-gates"] = unlike_gates
         table["unlogged-monitor"] = unlogged_monitor
         table["unlogged-monitor-last"] = unlogged_monitor_last
     return table
