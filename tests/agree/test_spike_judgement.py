@@ -98,6 +98,16 @@ def test_nothing_spikes_during_the_warm_up():
         ("loss", None, 1e6), ("grad_norm", None, 1.0)]
 
 
+@pytest.mark.parametrize("history", [8, 100])
+def test_the_warm_up_ends_with_its_last_value_even_where_the_history_holds_no_more(history):
+    # warmup_steps == history is allowed: the baseline must form once the history is full, or the gate never fires
+    gate = SpikeGate(measures="loss", warmup_steps=8, history=history)
+    noisy = [1.0 + 0.01 * i for i in range(8)]
+    assert judge(gate, _history(gate, noisy[:7]), _measures([1e6])).spikes == ()
+    (spike,) = judge(gate, _history(gate, noisy), _measures([1e6], first_step=8)).spikes
+    assert (spike.measure, spike.first_step) == ("loss", 8)
+
+
 def test_a_step_spikes_only_past_both_the_factor_and_the_deviations():
     gate = SpikeGate(factor=10, deviations=20, warmup_steps=10, history=100)
     noisy = [1.0 + 0.5 * math.sin(i) for i in range(40)]  # median about 1, spread about 0.5

@@ -144,6 +144,32 @@ def test_a_failed_write_still_logs_the_lines_model_checkpoint_logged_before_it(c
     assert len(saving) == 1 and "epoch=0-step=2.ckpt" in saving[0], saving
 
 
+def _raising_after_top_k(cls: type[ModelCheckpoint]) -> type[ModelCheckpoint]:
+    class RaisesAfterTopK(cls):  # type: ignore[valid-type,misc]
+        """A subclass whose own step fails at step 4, after the top-K logged its line and before any file operation."""
+
+        def _save_topk_checkpoint(self, trainer: Trainer, monitor_candidates: dict) -> None:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+            if trainer.global_step == 4:
+                raise RuntimeError("a subclass's own step failed")
+
+    return RaisesAfterTopK
+
+
+@pytest.mark.parametrize("cls", [ModelCheckpoint, FiniteGradCheckpoint])
+def test_a_hook_that_raises_before_its_first_file_operation_still_logs_what_it_said(cls, caplog, tmp_path):
+    # "'val_loss' was not in top 1" is said, then the subclass raises before any save or link: the line reaches the
+    # log as ModelCheckpoint's does, not dropped with the boundary
+    callback = _raising_after_top_k(cls)(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True,
+                                         verbose=True)
+    seed_everything(0)
+    with caplog.at_level("INFO"), pytest.raises(RuntimeError, match="a subclass's own step failed"):
+        Trainer(callbacks=[callback], **QUIET, **EPOCHS).fit(FaultyModel(val_losses=[3.0, 4.0, 1.0]))
+    lines = [r.getMessage() for r in caplog.records if "val_loss" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["Epoch 0, global step 2", "Epoch 1, global step 4"], lines
+    assert "was not in top 1" in lines[1]
+
+
 class LogsWhileSaved(FaultyModel):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         logging.getLogger("my_project").info("on_save_checkpoint at step %d", self.global_step)

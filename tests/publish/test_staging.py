@@ -51,6 +51,19 @@ def test_move_into_place_replaces_a_published_directory_whole(tmp_path):
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
 
+def test_the_end_of_a_fit_keeps_a_retired_copy_whose_replacement_never_arrived(tmp_path):
+    # two renames (no exchange): `last` moved aside, then the move of the new one in failed (held, raised at the next
+    # agreement). The retired copy is the only copy of the last good checkpoint: the fit's end must not remove it,
+    # and the next setup puts it back under its name
+    _checkpoint_dir(tmp_path / ".last.ckpt.ckguard-retired", "good last")
+    _checkpoint_dir(tmp_path / "step=4.ckpt", "step 4")
+    assert release_all_retired(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == [".last.ckpt.ckguard-retired", "step=4.ckpt"]
+    recover(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=4.ckpt"]
+    assert _content(tmp_path / "last.ckpt") == {"good last"}
+
+
 def _use_exchange(exchange: bool, tmp_path, monkeypatch) -> None:
     """Replace directories by the exchange (skipped where this filesystem has none), or by the two renames."""
     if not exchange:
@@ -258,6 +271,30 @@ def test_ledger_entries_whose_files_are_gone_or_incomplete_are_dropped_on_resume
     assert sorted(p.name for p in tmp_path.iterdir()) == expected
     # `last` moves with the top-K (Lightning 2.5: at every validation end)
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == (8 if LAST_AT_EVERY_BOUNDARY else 6)
+
+
+@pytest.mark.parametrize(("mode", "val_losses", "lost", "best_left"), [
+    ("min", [3.0, 1.0, 2.0], "epoch=1-step=4.ckpt", ("epoch=2-step=6.ckpt", 2.0)),
+    ("max", [1.0, 3.0, 2.0], "epoch=1-step=4.ckpt", ("epoch=2-step=6.ckpt", 2.0)),
+])
+def test_a_resume_that_drops_the_best_entry_names_the_best_one_left(tmp_path, mode, val_losses, lost, best_left):
+    # top-3 of three published values; the best file is lost before a resume that trains no further (to evaluate
+    # with ckpt_path="best", say): the best of the two left, by the monitor's mode, becomes the best
+    def fit(ckpt_path: str | None = None) -> FiniteGradCheckpoint:
+        callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", mode=mode, save_top_k=3, save_last=True)
+        seed_everything(0)
+        trainer = Trainer(callbacks=[callback], max_epochs=3, limit_train_batches=2, limit_val_batches=1,
+                          num_sanity_val_steps=0, **QUIET)
+        trainer.fit(FaultyModel(val_losses=val_losses), ckpt_path=ckpt_path)
+        return callback
+
+    fit()
+    (tmp_path / lost).unlink()
+    with pytest.warns(UserWarning, match=rf"dropped 1 checkpoint\(s\).*{lost}"):
+        callback = fit(ckpt_path=str(tmp_path / "last.ckpt"))
+    assert (os.path.basename(callback.best_model_path), float(callback.best_model_score)) == best_left
+    assert sorted(os.path.basename(path) for path in callback.best_k_models) == sorted(
+        ["epoch=0-step=2.ckpt", "epoch=2-step=6.ckpt"])
 
 
 def test_completeness_is_judged_from_the_markers_a_writer_puts_down_last(tmp_path):

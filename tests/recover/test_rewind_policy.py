@@ -214,6 +214,30 @@ def test_a_rewind_undoes_what_early_stopping_decided_on_the_discarded_weights(tm
     assert probe.checks == [True, True]
 
 
+class AskToStopAt(Callback):
+    """Asks the fit to stop at the validation of ``step`` (a budget or plateau callback), before the checkpoint
+    callback runs."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def test_a_rewind_keeps_the_stop_asked_for_when_its_checkpoint_was_published(tmp_path):
+    # the stop asked for at step 10 waits for min_steps; the NaN at step 12 rewinds to step 10's checkpoint, whose
+    # weights the stop was decided on: it stands, and the fit ends as it would have without the NaN
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, on_non_finite="rewind")
+    trainer = Trainer(max_epochs=2, min_steps=12, val_check_interval=5, callbacks=[AskToStopAt(10), callback], **QUIET)
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(Regression(bad=12))
+    assert [(r.global_step, r.checkpoint_global_step) for r in callback.rewinds] == [(15, 10)]
+    assert trainer.global_step == 20 and trainer.should_stop
+
+
 def test_a_resumed_fit_rewinds_to_the_checkpoint_it_resumed_from_until_it_publishes_one(tmp_path):
     # the first fit publishes steps 4 and 8; the second resumes from step 8's and is hit at step 9, before its first
     # boundary (12): it goes back to where it started, rather than refusing (nothing of its own published yet)
