@@ -53,8 +53,8 @@ from lightning_ckguard.agree.spikes import (
     StepMeasures,
     global_values,
     judge,
-    judged_alike,
     judged_alike_words,
+    read_judged_alike,
 )
 from lightning_ckguard.errors import StateCheckError
 from lightning_ckguard.record.source_selection import default_gradient_source
@@ -129,7 +129,8 @@ class GradientGuard:
         """Record the gradients ``optimizer`` is about to apply (all of ``module``'s when ``None``).
 
         Call it after backward (and after unscaling, with a loss scaler) and before ``optimizer.step()``. ``step``
-        labels the step in reports (defaults to a running count). ``skipped`` is True, or a 0-d tensor that is True,
+        labels the step in reports (defaults to a running count); give every rank the same, so that every rank's
+        report names the same steps. ``skipped`` is True, or a 0-d tensor that is True,
         when a loss scaler will skip this step (see :func:`~lightning_ckguard.record.skips.scaler_skip_flag`). Sources
         that only learn after the step whether it was skipped (DeepSpeed) hold the step until :meth:`conclude_step`.
         ``loss``: the step's loss (a device tensor, read on the device), for a spike gate watching the loss; with
@@ -226,7 +227,7 @@ class GradientGuard:
         collective = default_collective(collective)
         summary, device, failure = self._own_summary(state)
         rank, world_size = rank_and_world(collective)
-        spike_check, spike_words = self._judge_spikes(collective, world_size)
+        window, spike_words = self._summed_step_values(collective, world_size)
         own = RankReport.from_summary(rank, summary)
         words = [*ballot(own, world_size, self.count_skipped_steps), *carry, *failure_words(collective, failure),
                  *spike_words]
@@ -236,7 +237,7 @@ class GradientGuard:
         step = self._steps_seen if global_step is None else int(global_step)
         spike_part = len(words) - len(spike_words)
         self._raise_failed_check(collective, reduced[TALLY_SIZE + len(carry) : spike_part], failure, step)
-        self._raise_unlike_spike_gates(reduced[spike_part:], step)
+        spike_check = self._judge_spikes(window, reduced[spike_part:], step)
         tally = Tally.from_words(reduced[:TALLY_SIZE], world_size)
         roll = RollCall()
         if tally.rejects:  # only now, the names: every rank took the same branch from the same tally
@@ -271,30 +272,33 @@ class GradientGuard:
             self._accepted_window = None  # a boundary that decided nothing teaches a spike gate nothing
             raise StateCheckError(ranks=found.ranks, global_step=step, cause=found.cause) from failure
 
-    def _judge_spikes(self, collective: Any, world_size: int) -> tuple[SpikeCheck, list[int]]:
-        """With a spike gate, every rank's step values summed (one all-reduce of a fixed size) and judged against
-        the accepted history: the same check on every rank, as long as every rank holds the same history and window
-        steps. The words that let the agreement tell (:func:`judged_alike_words`), empty without a gate. The window
-        is kept until it is learned or dropped."""
-        values, history = self.window.step_values, self._spike_history
-        if values is None or history is None or self.spike_gate is None:
-            return SpikeCheck(), []
+    def _summed_step_values(self, collective: Any, world_size: int) -> tuple[StepMeasures | None, list[int]]:
+        """With a spike gate, every rank's step values summed (one all-reduce of a fixed size), as global values, and
+        this rank's words for the agreement that tell whether the ranks judge alike (:func:`judged_alike_words`);
+        ``(None, [])`` without a gate."""
+        values = self.window.step_values
+        if values is None or self._spike_history is None or self.spike_gate is None:
+            return None, []
         summed = all_reduce_values(collective, values.summary().clone(), op="sum").tolist()
-        measures = global_values(summed, values.capacity, values.labels, world_size)
-        self._accepted_window = measures  # until the verdict says otherwise
-        return judge(self.spike_gate, history, measures), judged_alike_words(history, values.labels)
+        window = global_values(summed, values.capacity, values.labels, world_size)
+        return window, judged_alike_words(self._spike_history, len(window.labels))
 
-    def _raise_unlike_spike_gates(self, reduced: Sequence[int], step: int) -> None:
-        """After the agreement's collective: if the ranks' spike gates would not judge alike (a history loaded, or a
-        window reset, on some ranks only), every rank raises the same error, before anything is decided."""
-        if judged_alike(reduced):
-            return
-        self._accepted_window = None
-        raise RuntimeError(
-            f"The spike gate's state differs between ranks at global step {step}: its accepted history or the steps of "
-            "its window are not the same on every rank, so the ranks would judge this window differently. Call the "
-            "guard's `load_state_dict` and `reset` on every rank alike. Nothing was decided, written, deleted or "
-            "linked for this boundary on any rank.")
+    def _judge_spikes(self, window: StepMeasures | None, reduced: Sequence[int], step: int) -> SpikeCheck:
+        """After the agreement's collective: the window's slots every rank holds, judged against the accepted history,
+        the same check on every rank (:func:`judge` is pure). If the ranks' histories differ (one loaded on some
+        ranks only), every rank raises the same error instead, before anything is decided. The window judged is kept
+        until it is learned or dropped."""
+        alike, slots = read_judged_alike(reduced)
+        if window is None or self._spike_history is None or self.spike_gate is None:
+            return SpikeCheck()
+        if not alike:
+            self._accepted_window = None
+            raise RuntimeError(
+                f"The spike gate's accepted history differs between ranks at global step {step}, so the ranks would "
+                "judge this window differently. Load the guard's state (`load_state_dict`) on every rank alike. "
+                "Nothing was decided, written, deleted or linked for this boundary on any rank.")
+        self._accepted_window = window.first(slots if slots is not None else len(window.labels))
+        return judge(self.spike_gate, self._spike_history, self._accepted_window)
 
     def note_constant_buffers(self, module: nn.Module) -> frozenset[str]:
         """Leave ``module``'s buffers that hold non-finite values now (an attention mask filled with ``-inf``) out of

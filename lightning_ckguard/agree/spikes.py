@@ -122,6 +122,12 @@ class StepMeasures:
     values: dict[str, tuple[float | None, ...]]
     labels: tuple[tuple[int, int], ...]
 
+    def first(self, slots: int) -> StepMeasures:
+        """The window's first ``slots`` slots (every slot, if it holds no more)."""
+        if slots >= len(self.labels):
+            return self
+        return StepMeasures({m: v[:slots] for m, v in self.values.items()}, self.labels[:slots])
+
 
 def global_values(words: Sequence[float], capacity: int, labels: Sequence[Sequence[int]], world_size: int
                   ) -> StepMeasures:
@@ -247,24 +253,27 @@ def judge(gate: SpikeGate, history: SpikeHistory, measures: StepMeasures) -> Spi
     return SpikeCheck(tuple(spikes), tuple(levels))
 
 
-def judged_alike_words(history: SpikeHistory, labels: Sequence[Sequence[int]]) -> list[int]:
-    """What a verdict depends on besides the summed step values (the gate, its accepted history, the window's step
-    labels), as two int64 words for an all-reduce with MAX: a 56-bit digest and its negation, whose reduced pair
-    :func:`judged_alike` reads. Ranks that hold the same judge alike (:func:`judge` is pure)."""
+def judged_alike_words(history: SpikeHistory, slots: int) -> list[int]:
+    """What the ranks must agree on to judge a window alike, besides the summed step values, as three int64 words for
+    an all-reduce with MAX: a 56-bit digest of the gate and its accepted history, its negation, and minus the slots of
+    this rank's window (a rank whose exception came before its step was recorded holds one fewer). Read by
+    :func:`read_judged_alike`."""
     digest = hashlib.blake2b(repr(history.gate).encode(), digest_size=7)
     for measure, values in history.values.items():
         digest.update(measure.encode())
         digest.update(struct.pack(f"<q{len(values)}d", len(values), *values))
-    digest.update(struct.pack(f"<{2 * len(labels)}q", *(step for label in labels for step in label)))
     value = int.from_bytes(digest.digest(), "little")
-    return [value, -value]
+    return [value, -value, -slots]
 
 
-def judged_alike(reduced: Sequence[int]) -> bool:
-    """Whether every rank sent the same :func:`judged_alike_words` (reduced with MAX: the largest digest and minus
-    the smallest); True without them (no gate)."""
-    return not reduced or int(reduced[0]) == -int(reduced[1])
+def read_judged_alike(reduced: Sequence[int]) -> tuple[bool, int | None]:
+    """From :func:`judged_alike_words` reduced with MAX: whether every rank holds the same gate and history, and the
+    fewest slots any rank's window holds (the slots every rank judges: one held by some ranks only has some ranks'
+    values); ``(True, None)`` without them (no gate)."""
+    if not reduced:
+        return True, None
+    return int(reduced[0]) == -int(reduced[1]), -int(reduced[2])
 
 
-__all__ = ["Level", "SpikeCheck", "SpikeGate", "SpikeHistory", "StepMeasures", "global_values", "judge", "judged_alike",
-           "judged_alike_words", "scores"]
+__all__ = ["Level", "SpikeCheck", "SpikeGate", "SpikeHistory", "StepMeasures", "global_values", "judge",
+           "judged_alike_words", "read_judged_alike", "scores"]

@@ -337,7 +337,7 @@ class GuardedCheckpoint(_CheckpointBase):
             ValueError: If the state comes from a newer, unknown format: loading it could silently drop bookkeeping.
         """
         super().load_state_dict(validation.without_format_version(state_dict))
-        self._decisions.spike_history = state_dict.get("spike_history")  # for this fit's guard
+        GuardedFit.take_up_spike_history(self, state_dict.get("spike_history"))
         drop_missing_checkpoints(self, self._fit)
 
 

@@ -620,6 +620,17 @@ class GuardedFit:
         self.writer.release()
         flush_held_metrics(self.trainer, uninstall=True)  # what a fit without a train end (validate) still holds
 
+    @staticmethod
+    def take_up_spike_history(checkpoint: Any, history: Any) -> None:
+        """A loaded state's spike history, for the running fit's guard if it exists already (FSDP2 and DeepSpeed
+        restore the checkpoint after setup, so Lightning loads the callback's state after ``on_fit_start`` made the
+        guard), else for the next guard made (:meth:`_new_guard`)."""
+        fit: GuardedFit | None = checkpoint._fit
+        if fit is not None and fit.guard is not None and history is not None:
+            fit.guard.load_state_dict({"spike_history": history})
+        else:
+            checkpoint._decisions.spike_history = history
+
     def _keep_spike_history(self) -> None:
         """The spike gate's history as the fit leaves it, for the callback's state and a next fit."""
         if self.guard is not None and self.guard.spike_gate is not None:

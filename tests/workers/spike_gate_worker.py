@@ -21,8 +21,10 @@ rank runs every scenario in one process group (60 s collective timeouts) and wri
   rejected, every rank goes back to the checkpoint published before it and trains on with the next batch, so every
   later checkpoint should be ``reference``'s (one global step later);
 - ``raise``: the spiked data, ``on_non_finite="raise"``: every rank raises the same error at the boundary after it;
-- ``unlike-gates`` (DDP only, Trainer-free): a history loaded, then a window reset, on rank 0 only: each agreement
-  raises the same error on every rank;
+- ``resume``: a fit of 4 steps, then one resumed from its last checkpoint: the gate's history at the resumed fit's
+  first batch and at its end;
+- ``unlike-gates`` (DDP only, Trainer-free): a history loaded on rank 0 only raises the same error on every rank; a
+  window one slot shorter on rank 0 is judged on the slots every rank holds;
 - ``negative-loss`` (DDP only, Trainer-free): a ``GradientGuard`` per rank on the process group, one agreement per
   step, with negative losses (a log-likelihood's, say): what the gate reads as the global loss of each step.
 
@@ -214,6 +216,46 @@ def checkpoint_weights(path: str) -> dict[str, Any]:
     return _lists(state)
 
 
+def _strategy_and_precision(kind: str) -> dict[str, Any]:
+    if kind == "ds2":  # as the rewind worker: bf16 with DeepSpeed's overflow check off
+        precision = "bf16-mixed"
+        return {"strategy": make_strategy(kind, timeout=TIMEOUT, precision=precision, check_grad_overflow=False),
+                "precision": precision}
+    return {"strategy": make_strategy(kind, timeout=TIMEOUT), "precision": "32-true"}
+
+
+class HistoryAtFirstBatch(Callback):
+    """How many loss values the running guard's gate holds at the fit's first training batch."""
+
+    def __init__(self) -> None:
+        self.values: int | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        fit = trainer.checkpoint_callback._fit  # type: ignore[union-attr]
+        if self.values is None and fit is not None and fit.guard is not None:
+            self.values = len(fit.guard.state_dict()["spike_history"]["loss"])
+
+
+def resume(root: str, kind: str) -> dict[str, Any]:
+    """A fit of 4 steps (a checkpoint each, every window learned), then one resumed from its last checkpoint: the
+    resumed fit's gate holds the 4 values from its first batch (FSDP2 and DeepSpeed load the callback's state after
+    the guard is made)."""
+    dirpath = os.path.join(root, f"{kind}-resume")
+    histories = []
+    for max_steps, ckpt_path in ((4, None), (6, os.path.join(dirpath, "step=4.ckpt"))):
+        seed_everything(7)
+        callback = FiniteGradCheckpoint(dirpath=dirpath, save_top_k=-1, every_n_train_steps=1, filename="{step}",
+                                        spike_gate=gate())
+        probe = HistoryAtFirstBatch()
+        trainer = Trainer(**_strategy_and_precision(kind), devices=2, callbacks=[probe, callback],
+                          max_steps=max_steps, limit_val_batches=0, use_distributed_sampler=False, **QUIET)
+        model = Regression(list(range(STEPS)), spiked=False, fsdp2=kind == "fsdp2")
+        outcome = fit_outcome(lambda trainer=trainer, model=model, path=ckpt_path: trainer.fit(model, ckpt_path=path))
+        histories.append({"error": outcome["error"], "at_first_batch": probe.values,
+                          "at_end": len(callback.state_dict()["spike_history"]["loss"])})
+    return {"fits": histories}
+
+
 def run(root: str, name: str, kind: str, indices: list[int], spiked: bool, on_non_finite: Literal["raise", "rewind"],
         max_steps: int, replayed: bool = True) -> dict[str, Any]:
     seed_everything(7)
@@ -224,15 +266,8 @@ def run(root: str, name: str, kind: str, indices: list[int], spiked: bool, on_no
                                     every_n_train_steps=1, filename="{step}", on_non_finite=on_non_finite,
                                     spike_gate=gate())
     probe = GateProbe()
-    if kind == "ds2":  # as the rewind worker: bf16 with DeepSpeed's overflow check off
-        precision = "bf16-mixed"
-        strategy = make_strategy(kind, timeout=TIMEOUT, precision=precision, check_grad_overflow=False)
-    else:
-        precision = "32-true"
-        strategy = make_strategy(kind, timeout=TIMEOUT)
-    trainer = Trainer(strategy=strategy, devices=2, precision=precision,  # type: ignore[arg-type]
-                      callbacks=[probe, callback], max_steps=max_steps, limit_val_batches=0,
-                      use_distributed_sampler=False, **QUIET)
+    trainer = Trainer(**_strategy_and_precision(kind), devices=2, callbacks=[probe, callback], max_steps=max_steps,
+                      limit_val_batches=0, use_distributed_sampler=False, **QUIET)
     result = fit_outcome(lambda: trainer.fit(model))
     probe.note_verdict(trainer)
     report = callback.last_report
@@ -282,10 +317,11 @@ def negative_loss(root: str) -> dict[str, Any]:
 
 
 def unlike_gates(root: str) -> dict[str, Any]:
-    """Two misuses of the Trainer-free guard that leave the ranks' gates unlike: a history loaded on rank 0 only (a
-    resume that loads on rank 0 and broadcasts the weights), then a window reset on rank 0 only. Each agreement
-    should raise the same error on every rank, not a verdict per rank (rank 0 rejecting a spike its baseline sees,
-    rank 1 accepting it and waiting in the next collective)."""
+    """Ranks whose windows or gates differ: a history loaded on rank 0 only (a Trainer-free resume that loads on rank
+    0 and broadcasts the weights), then a window with one slot fewer on rank 0 (reset there after the first step, as
+    where an exception stops one rank before its step is recorded). Each agreement must reach the same outcome on
+    every rank, not a verdict per rank (rank 0 rejecting a spike its own baseline sees, rank 1 accepting it and
+    waiting in the next collective): the same error for the histories, the same verdict on the slots both hold."""
     from lightning_ckguard import GradientGuard
 
     rank = torch.distributed.get_rank()
@@ -303,9 +339,10 @@ def unlike_gates(root: str) -> dict[str, Any]:
                 guard.reset()
         try:
             verdict = guard.agree(torch.distributed.group.WORLD, global_step=2)
-            outcomes.append({"misuse": misuse, "accepted": verdict.accepted, "error": None})
+            outcomes.append({"misuse": misuse, "accepted": verdict.accepted, "error": None,
+                             "window_max": [level.window_max for level in verdict.spike_check.levels]})
         except RuntimeError as error:
-            outcomes.append({"misuse": misuse, "accepted": None, "error": str(error)})
+            outcomes.append({"misuse": misuse, "accepted": None, "error": str(error), "window_max": None})
     return {"outcomes": outcomes}
 
 
@@ -370,6 +407,7 @@ def scenarios(kind: str) -> dict[str, Any]:
                                    max_steps=STEPS, replayed=False),
         "raise": lambda root: run(root, f"{kind}-raise", kind, everything, spiked=True, on_non_finite="raise",
                                   max_steps=STEPS),
+        "resume": lambda root: resume(root, kind),
     }
     if kind == "ddp":
         table["negative-loss"] = negative_loss
