@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from helpers import reducing_with_peers
-from lightning_ckguard._distributed import FAILING_RANKS, RankMap, agree_on_failure, failure_words
+from lightning_ckguard._distributed import FAILING_RANKS, RankMap, agree_on_failure, failure_words, own_write_failure
 
 
 class RankView:
@@ -90,3 +90,27 @@ def test_a_distributed_checkpoint_meeting_is_held_by_the_thread_that_entered_it_
         assert ops == ["max"]  # this thread's call met its peers first, once
     assert ran == ["side", threading.current_thread().name]
     assert not meeting.settle(None) and ops == ["max"]  # past its one meeting point: no second meeting
+
+
+def _distributed_checkpoint_failure(ranks: tuple[int, ...]) -> BaseException:
+    """What ``torch.distributed.checkpoint`` raises on every rank when the parts of ``ranks`` failed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.utils import _wrap_exception
+
+    failures = {}
+    for rank in ranks:
+        try:
+            raise OSError(28, f"No space left on device (rank {rank})")
+        except OSError as error:
+            failures[rank] = _wrap_exception(error)
+    return CheckpointException("CheckpointException", failures)
+
+
+def test_a_distributed_checkpoint_failure_is_this_ranks_own_only_where_it_names_this_rank():
+    # this process is rank 0: a failure of rank 1's part alone is learned in the agreement, not held as its own
+    # (it would count rank 0 among the failed ranks and raise the raw CheckpointException, a BaseException)
+    assert own_write_failure(_distributed_checkpoint_failure((1,))) is None
+    own = own_write_failure(_distributed_checkpoint_failure((0, 1)))
+    assert isinstance(own, OSError) and "rank 0" in str(own)
+    plain = OSError(28, "No space left on device")
+    assert own_write_failure(plain) is plain

@@ -190,6 +190,19 @@ def test_a_long_window_is_folded_into_its_slots_keeping_each_slots_largest_value
     assert (summary[[rows.SHARDED, rows.REPLICATED]] == -math.inf).all()  # no step gave squares
 
 
+def test_a_step_that_was_not_finite_keeps_its_folded_slot_unjudged_whatever_joins_it_later():
+    # capacity 2: steps 2 and 3 share a slot once folded; step 2's gradients were not finite (its loss 50 is the
+    # diverged weights'), so the slot is the finiteness check's, also after finite step 3 joined it
+    values = StepValues(torch.device("cpu"), capacity=2)
+    for step, (loss, sum_of_squares, bad) in enumerate([(1.0, 1.0, False), (1.0, 1.0, False),
+                                                        (50.0, float("nan"), True), (1.0, 1.0, False)]):
+        values.add_loss(torch.tensor(loss, dtype=torch.float64))
+        values.record_step(None, torch.tensor(sum_of_squares, dtype=torch.float64), torch.tensor(bad), step)
+    measures = global_values(values.summary().tolist(), values.capacity, values.labels, 1)
+    assert measures.labels == ((0, 1), (2, 3))
+    assert measures.values["loss"] == (1.0, None) and measures.values["grad_norm"] == (1.0, None)
+
+
 def test_micro_batch_losses_add_up_to_their_step_and_a_boundary_between_them_keeps_them_for_it():
     values = StepValues(torch.device("cpu"))
     zero, finite = torch.zeros((), dtype=torch.float64), torch.tensor(False)

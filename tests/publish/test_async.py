@@ -150,6 +150,27 @@ def test_a_failed_background_write_raises_by_the_next_boundary_and_the_ledger_re
     assert callback.last_model_path == ""
 
 
+def test_boundaries_queued_behind_a_failing_write_publish_nothing(tmp_path):
+    # a checkpoint every step; step 2's write fails after a second, while the boundaries of the steps after it are
+    # queued behind it: none of them may be put in place once a unit before it failed
+    def fails_slowly(path: str) -> None:
+        if os.path.basename(published_path(path)) == "step=2.ckpt":
+            time.sleep(1.0)
+            raise OSError(28, "No space left on device", path)
+
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="{step}", monitor="step", mode="max", save_top_k=1,
+                                    every_n_train_steps=1)
+    undo = hook_writes(before=fails_slowly)
+    try:
+        with pytest.raises(OSError, match="No space left on device"):
+            _fit(tmp_path, AsyncCheckpointIO(), callback, max_steps=6)
+    finally:
+        undo()
+    assert sorted(os.listdir(tmp_path)) == ["step=1.ckpt"]
+    assert callback.best_model_path == str(tmp_path / "step=1.ckpt")
+    assert list(callback.best_k_models) == [str(tmp_path / "step=1.ckpt")]
+
+
 def test_model_checkpoint_with_async_checkpoint_io_loses_the_evicted_checkpoint_when_the_write_fails(tmp_path):
     """The control: plain ``ModelCheckpoint`` evicts while the new checkpoint is still queued; when the write fails,
     both are gone: until the next boundary there is no checkpoint at all, while its ledger names the missing one."""

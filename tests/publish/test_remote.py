@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback
 from test_object_storage import EXPECTED_AFTER_RESUME, _resume_scenario
 
 from helpers import QUIET, FaultyModel
@@ -59,6 +63,59 @@ def test_resuming_on_a_non_local_fsspec_filesystem_keeps_what_local_disk_keeps(c
     assert local_names[0] == _names(remote[0]) == first_names
     if second_names is not None:
         assert local_names[1] == _names(remote[1]) == second_names
+
+
+class FlakyMemoryFileSystem(MemoryFileSystem):
+    """fsspec's in-memory filesystem (one store with ``memory://``) that, for a while, fails some looks at a name
+    (``looks``: per name, whether each next look answers) and refuses its uploads (``refused``)."""
+
+    protocol = "flakymemory"
+    looks: dict[str, list[bool]] = {}
+    refused: set[str] = set()
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        pending = self.looks.get(path.rsplit("/", 1)[-1])
+        if pending and not pending.pop(0):
+            raise ConnectionError(f"no answer about {path}")
+        return super().exists(path, **kwargs)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "w" in mode and path.rsplit("/", 1)[-1] in self.refused:
+            raise OSError(f"upload of {path} refused")
+        return super()._open(path, mode, **kwargs)
+
+
+class StorageFailsAt(Callback):
+    """At optimizer step ``step``: the storage answers the look ``ModelCheckpoint`` makes for ``last.ckpt``'s name,
+    cannot say at the next, answers again after, and refuses ``last.ckpt``'s upload."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            FlakyMemoryFileSystem.looks["last.ckpt"] = [True, False]
+            FlakyMemoryFileSystem.refused.add("last.ckpt")
+
+
+def test_a_name_the_storage_cannot_say_exists_is_never_removed_by_a_rollback(memory_root, monkeypatch):
+    # at step 4 `last.ckpt` exists (step 2's), but the storage cannot say so, and its upload fails: the boundary rolls
+    # back what it created, and must assume `last.ckpt` was there before it, not remove the only `last`
+    fsspec.register_implementation("flakymemory", FlakyMemoryFileSystem, clobber=True)
+    monkeypatch.setattr(FlakyMemoryFileSystem, "looks", {})
+    monkeypatch.setattr(FlakyMemoryFileSystem, "refused", set())
+    url = memory_root.replace("memory://", "flakymemory://") + "/run"
+    callback = FiniteGradCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=1, save_last=True,
+                                    filename="{step}")
+    seed_everything(0)
+    trainer = Trainer(callbacks=[StorageFailsAt(3), callback], max_steps=4, limit_val_batches=0, **QUIET)
+    with pytest.raises(OSError, match="upload of .*last.ckpt refused"):
+        trainer.fit(FaultyModel())
+    FlakyMemoryFileSystem.refused.clear()
+    fs = fsspec.filesystem("flakymemory")
+    assert {path.rsplit("/", 1)[-1] for path in fs.ls(url, detail=False)} == {"step=2.ckpt", "last.ckpt"}
+    with fs.open(f"{url}/last.ckpt", "rb") as f:
+        assert torch.load(f, weights_only=False)["global_step"] == 2
 
 
 def test_the_removal_rule_on_listing_paths_and_urls():

@@ -319,15 +319,30 @@ def test_the_squares_of_gradients_no_dot_can_take_are_summed_without_drift(layou
 
 
 def test_reduced_fp32_matmul_precision_stays_exact():
-    # bf16 matmuls would turn fp32 max into inf: the check must not use them
+    # bf16 matmuls would turn fp32 max into inf: the check must not use them, also with a plan made before the
+    # precision changed (the large tensor's probe) and for small tensors read in batches
+    cpu, largest = torch.device("cpu"), torch.finfo(torch.float32).max
+    grads = [torch.full((1 << 20,), largest), *(torch.full((256,), largest) for _ in range(4))]
+    planned_before = NonFiniteCheck(large_reader="probe")
+    assert not planned_before(grads, cpu).any()
     matmul = torch.backends.mkldnn.matmul
     before = matmul.fp32_precision
     matmul.fp32_precision = "bf16"  # a property of a torch backend object: set and restore by hand
     try:
-        big = torch.full((1 << 20,), torch.finfo(torch.float32).max)
-        assert not NonFiniteCheck()([big], torch.device("cpu")).any()
+        assert not planned_before(grads, cpu).any()
+        assert not NonFiniteCheck()(grads, cpu).any()
     finally:
         matmul.fp32_precision = before
+
+
+@pytest.mark.parametrize("reader", ["probe", "aminmax"])
+@pytest.mark.parametrize("last", [WIDTH + 5, WIDTH, 5], ids=["one-row-and-a-tail", "one-row", "a-tail"])
+def test_a_last_piece_of_one_row_or_less_is_read_whole(last, reader, monkeypatch):
+    monkeypatch.setenv("CKGUARD_CPU_READER", reader)
+    for position in (PIECE, PIECE + last // 2, PIECE + last - 1):
+        grad = torch.zeros(PIECE + last)
+        grad[position] = float("nan")
+        assert NonFiniteCheck()([grad], torch.device("cpu")).tolist() == [True], position
 
 
 def test_the_large_tensor_reader_is_measured_once_per_layout_and_kept(monkeypatch):

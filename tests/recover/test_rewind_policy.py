@@ -214,6 +214,22 @@ def test_a_rewind_undoes_what_early_stopping_decided_on_the_discarded_weights(tm
     assert probe.checks == [True, True]
 
 
+def test_two_rewinds_to_the_same_checkpoint_record_each_its_own_discarded_steps(tmp_path):
+    # NaN at global step 5, rewound at 8 to step 4's checkpoint; NaN again at step 9 (batch 9), rewound at 12 to the
+    # same checkpoint, with nothing published between: the second discarded steps 8-11, not 4-11 again
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}",
+                                    on_non_finite="rewind")
+    trainer = Trainer(max_steps=16, limit_val_batches=0, callbacks=[callback], **QUIET)
+    with pytest.warns(UserWarning, match="Rewound in place"):
+        trainer.fit(Regression(bad=9, bad_step=5))
+    assert [(r.global_step, r.checkpoint_global_step, r.discarded_steps, r.skipped_batches)
+            for r in callback.rewinds] == [(8, 4, (4, 7), (4, 7)), (12, 4, (8, 11), (8, 11))]
+    logged = [json.loads(line) for line in (tmp_path / REWIND_LOG_NAME).read_text().splitlines()]
+    assert [(line["discarded_steps"], line["skipped_batches"]) for line in logged] == [([4, 7], [4, 7]),
+                                                                                      ([8, 11], [8, 11])]
+
+
 class AskToStopAt(Callback):
     """Asks the fit to stop at the validation of ``step`` (a budget or plateau callback), before the checkpoint
     callback runs."""
