@@ -51,7 +51,7 @@ class Spike:
         steps = f"step {self.first_step}" if self.first_step == self.last_step else (
             f"steps {self.first_step} to {self.last_step}")
         measure = _MEASURE_WORDS.get(self.measure, self.measure)
-        if math.isinf(self.value):  # finite gradients whose squares overflowed their sum: say so, not "inf"
+        if self.value == math.inf and self.measure == "grad_norm":  # finite gradients whose squares overflowed
             return (f"{measure} spiked at {steps} past the range of its sum of squares (finite gradients whose "
                     f"squares overflowed it: a norm above about 1.8e19 for float32 gradients), far above its "
                     f"baseline of {self.baseline:.4g}")

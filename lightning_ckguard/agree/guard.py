@@ -281,23 +281,25 @@ class GradientGuard:
             return None, []
         summed = all_reduce_values(collective, values.summary().clone(), op="sum").tolist()
         window = global_values(summed, values.capacity, values.labels, world_size)
-        return window, judged_alike_words(self._spike_history, len(window.labels))
+        return window, judged_alike_words(self._spike_history, len(window.labels), values.steps_per_slot)
 
     def _judge_spikes(self, window: StepMeasures | None, reduced: Sequence[int], step: int) -> SpikeCheck:
         """After the agreement's collective: the window's slots every rank holds, judged against the accepted history,
         the same check on every rank (:func:`judge` is pure). If the ranks' histories differ (one loaded on some
         ranks only), every rank raises the same error instead, before anything is decided. The window judged is kept
         until it is learned or dropped."""
-        alike, slots = read_judged_alike(reduced)
+        alike = read_judged_alike(reduced)
         if window is None or self._spike_history is None or self.spike_gate is None:
             return SpikeCheck()
-        if not alike:
+        if not (alike.histories and alike.folds):
             self._accepted_window = None
-            raise RuntimeError(
-                f"The spike gate's accepted history differs between ranks at global step {step}, so the ranks would "
-                "judge this window differently. Load the guard's state (`load_state_dict`) on every rank alike. "
-                "Nothing was decided, written, deleted or linked for this boundary on any rank.")
-        self._accepted_window = window.first(slots if slots is not None else len(window.labels))
+            cause = ("its accepted history differs between ranks, so the ranks would judge this window differently. "
+                     "Load the guard's state (`load_state_dict`) on every rank alike" if not alike.histories else
+                     "the ranks' windows are folded differently (they recorded different numbers of steps, as when "
+                     "an exception stops one rank before its step is recorded), so their steps cannot be lined up")
+            raise RuntimeError(f"The spike gate cannot judge the window at global step {step}: {cause}. Nothing was "
+                               "decided, written, deleted or linked for this boundary on any rank.")
+        self._accepted_window = window.first(alike.slots if alike.slots is not None else len(window.labels))
         return judge(self.spike_gate, self._spike_history, self._accepted_window)
 
     def note_constant_buffers(self, module: nn.Module) -> frozenset[str]:

@@ -253,27 +253,38 @@ def judge(gate: SpikeGate, history: SpikeHistory, measures: StepMeasures) -> Spi
     return SpikeCheck(tuple(spikes), tuple(levels))
 
 
-def judged_alike_words(history: SpikeHistory, slots: int) -> list[int]:
-    """What the ranks must agree on to judge a window alike, besides the summed step values, as three int64 words for
-    an all-reduce with MAX: a 56-bit digest of the gate and its accepted history, its negation, and minus the slots of
-    this rank's window (a rank whose exception came before its step was recorded holds one fewer). Read by
-    :func:`read_judged_alike`."""
-    digest = hashlib.blake2b(repr(history.gate).encode(), digest_size=7)
+def judged_alike_words(history: SpikeHistory, slots: int, steps_per_slot: int) -> list[int]:
+    """What the ranks must agree on to judge a window alike, besides the summed step values, as five int64 words for
+    an all-reduce with MAX: a 56-bit digest of the gate's settings and its accepted history, and its negation; minus
+    the slots of this rank's window (a rank whose exception came before its step was recorded holds one fewer); the
+    steps per slot of its window, and its negation. Read by :func:`read_judged_alike`."""
+    gate = history.gate
+    settings = [gate.factor, gate.deviations, gate.warmup_steps, gate.history, gate.resolution]
+    digest = hashlib.blake2b(" ".join(gate.measures).encode() + struct.pack("<5d", *settings), digest_size=7)
     for measure, values in history.values.items():
         digest.update(measure.encode())
         digest.update(struct.pack(f"<q{len(values)}d", len(values), *values))
     value = int.from_bytes(digest.digest(), "little")
-    return [value, -value, -slots]
+    return [value, -value, -slots, steps_per_slot, -steps_per_slot]
 
 
-def read_judged_alike(reduced: Sequence[int]) -> tuple[bool, int | None]:
-    """From :func:`judged_alike_words` reduced with MAX: whether every rank holds the same gate and history, and the
-    fewest slots any rank's window holds (the slots every rank judges: one held by some ranks only has some ranks'
-    values); ``(True, None)`` without them (no gate)."""
+@dataclass(frozen=True)
+class JudgedAlike:
+    """What :func:`read_judged_alike` found: whether every rank holds the same gate and history, whether every
+    rank's window is folded alike (its slots hold the same steps), and the fewest slots any rank's window holds (the
+    slots every rank judges: one held by some ranks only has some ranks' values)."""
+
+    histories: bool = True
+    folds: bool = True
+    slots: int | None = None
+
+
+def read_judged_alike(reduced: Sequence[int]) -> JudgedAlike:
+    """:func:`judged_alike_words` reduced with MAX; everything alike without them (no gate)."""
     if not reduced:
-        return True, None
-    return int(reduced[0]) == -int(reduced[1]), -int(reduced[2])
+        return JudgedAlike()
+    return JudgedAlike(int(reduced[0]) == -int(reduced[1]), int(reduced[3]) == -int(reduced[4]), -int(reduced[2]))
 
 
 __all__ = ["Level", "SpikeCheck", "SpikeGate", "SpikeHistory", "StepMeasures", "global_values", "judge",
-           "judged_alike_words", "read_judged_alike", "scores"]
+           "JudgedAlike", "judged_alike_words", "read_judged_alike", "scores"]

@@ -118,6 +118,7 @@ class GuardedFit:
         self._rewind_due: BoundaryReport | None = None  # a rejected write outside the boundaries rewinds at the next
         self._resumed_from: str | None = None  # the checkpoint this fit resumed from, as the storage resolved it
         self._setup_number = 0  # which set-up fit of this process this is (0: one driven by hand, never set up)
+        self._finished = False  # training ended (an exception leaves the fit in place: Lightning runs no teardown)
 
     @property
     def rewind_log(self) -> RewindLog | None:
@@ -565,6 +566,7 @@ class GuardedFit:
                 verdict, _, restates_skipped = last_steps
                 self._apply_last_steps(verdict, restates_skipped)
         finally:
+            self._finished = True
             self._keep_spike_history()  # an exception ends a fit without its teardown
             if self.decisions.rejection is None and self.trainer.is_global_zero:
                 # not after a rejection: that changes nothing on disk (the next fit's recovery removes them)
@@ -624,9 +626,10 @@ class GuardedFit:
     def take_up_spike_history(checkpoint: Any, history: Any) -> None:
         """A loaded state's spike history, for the running fit's guard if it exists already (FSDP2 and DeepSpeed
         restore the checkpoint after setup, so Lightning loads the callback's state after ``on_fit_start`` made the
-        guard), else for the next guard made (:meth:`_new_guard`)."""
+        guard), else for the next guard made (:meth:`_new_guard`): also after a fit that ended in an exception, which
+        Lightning leaves in place without a teardown."""
         fit: GuardedFit | None = checkpoint._fit
-        if fit is not None and fit.guard is not None and history is not None:
+        if fit is not None and fit.guard is not None and not fit._finished and history is not None:
             fit.guard.load_state_dict({"spike_history": history})
         else:
             checkpoint._decisions.spike_history = history
@@ -683,7 +686,7 @@ def guard_state(checkpoint: Any) -> dict[str, Any]:
     """What the callback's state adds to ``ModelCheckpoint``'s: a spike gate's accepted history, the running fit's
     guard's, else the one the last fit ended with or a resumed checkpoint gave (nothing without a gate)."""
     fit: GuardedFit | None = checkpoint._fit
-    if fit is not None and fit.guard is not None:
+    if fit is not None and fit.guard is not None and not fit._finished:
         return fit.guard.state_dict()
     history = checkpoint._decisions.spike_history
     return {"spike_history": history} if history is not None and checkpoint.spike_gate is not None else {}

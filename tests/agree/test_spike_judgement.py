@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import HOST_READS, CountOps
 from lightning_ckguard import GradientGuard, NonFiniteGradientError, Spike, SpikeGate
-from lightning_ckguard.agree.spikes import SpikeHistory, StepMeasures, global_values, judge
+from lightning_ckguard.agree.spikes import SpikeHistory, StepMeasures, global_values, judge, judged_alike_words
 from lightning_ckguard.record import finiteness, sources, squares
 from lightning_ckguard.record import step_values as rows
 from lightning_ckguard.record.finiteness import NonFiniteCheck
@@ -65,6 +65,17 @@ def test_numpy_numbers_are_taken_and_kept_as_plain_python_numbers():
     for bad in ({"factor": np.bool_(True)}, {"warmup_steps": np.float64(3.0)}):
         with pytest.raises(ValueError, match="SpikeGate"):
             SpikeGate(**bad)
+
+
+def test_the_agreements_digest_of_a_gate_depends_on_its_values_not_their_types():
+    # a gate pickled by an earlier release keeps `factor=10` (unpickling runs no __post_init__): equal, so alike
+    old = SpikeGate()
+    object.__setattr__(old, "factor", 10)
+    histories = [SpikeHistory(gate) for gate in (SpikeGate(), old)]
+    for history in histories:
+        history.learn(_measures([1.0, 2.0]))
+    assert judged_alike_words(histories[0], 2, 1) == judged_alike_words(histories[1], 2, 1)
+    assert judged_alike_words(histories[0], 2, 1) != judged_alike_words(SpikeHistory(SpikeGate()), 2, 1)
 
 
 def test_a_single_measure_may_be_named_alone_and_the_gate_is_a_value():

@@ -311,6 +311,33 @@ def test_the_gates_history_outlives_a_fit_an_exception_ended_and_travels_with_a_
             trainer.fit(Regression([(x, y * 1e3) for x, y in batches(40, bad=None)]))
 
 
+class HistoryAtTrainStart(Callback):
+    def __init__(self, callback: FiniteGradCheckpoint) -> None:
+        self.callback, self.values = callback, None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.values = len(self.callback._fit.guard.state_dict()["spike_history"]["loss"])
+
+
+def test_a_state_loaded_after_a_fit_an_exception_ended_is_the_next_fits(tmp_path):
+    # the ended fit stays in place (no teardown after an exception): a state loaded by hand then (an earlier
+    # checkpoint's) is what the callback's state says and what the next fit's gate starts from
+    seed_everything(0)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1,
+                                    spike_gate=GATE, on_non_finite="skip")
+    with pytest.raises(RuntimeError, match="boom"):
+        Trainer(max_steps=30, limit_val_batches=0, callbacks=[PickleThenRaise(callback), callback], **QUIET).fit(
+            Regression(batches(40, bad=None)))
+    state = torch.load(tmp_path / "step=3.ckpt", weights_only=True)["callbacks"][callback.state_key]
+    assert len(state["spike_history"]["loss"]) == 3
+    callback.load_state_dict(state)
+    assert len(callback.state_dict()["spike_history"]["loss"]) == 3
+    probe = HistoryAtTrainStart(callback)
+    seed_everything(0)
+    Trainer(max_steps=1, limit_val_batches=0, callbacks=[probe, callback], **QUIET).fit(Regression(batches(40, None)))
+    assert probe.values == 3
+
+
 def test_the_steps_judged_when_training_ends_are_not_learned_when_a_write_failure_ends_the_fit(tmp_path):
     # every 5 of 12 steps, written in the background; step 10's write fails and raises when training ends, after the
     # steps after it were judged (accepted): neither they nor anything after step 4's published window is learned

@@ -213,13 +213,16 @@ def test_ranks_whose_gates_or_windows_differ_reach_the_same_outcome(worker_resul
     # step not recorded there): the slots every rank holds are judged, the same on every rank
     outcomes = [results["unlike-gates"]["outcomes"] for results in results_for("ddp", worker_results)]
     assert outcomes[0] == outcomes[1], "every rank the same"
-    history, window = outcomes[0]
+    history, window, folded = outcomes[0]
     assert history["misuse"] == "history loaded on rank 0" and "accepted history differs between ranks" in (
         history["error"] or ""), history
     assert "at global step 2" in history["error"] and "on every rank alike" in history["error"]
     assert window["misuse"] == "window reset on rank 0" and window["error"] is None and window["accepted"], window
     # the one slot both hold: rank 0's step 1 (loss 1e4) and rank 1's step 0 (loss 1), averaged
     assert window["window_max"][0] == pytest.approx((1e4 + 1.0) / 2), window
+    # a step more on rank 1 folds its two slots, not rank 0's: slot 0 would add rank 0's step 0 to rank 1's steps 0-1
+    assert folded["misuse"] == "a step more on rank 1, folded" and "folded differently" in (folded["error"] or ""), (
+        folded)
 
 
 def test_a_vote_that_finds_the_monitored_key_missing_teaches_the_gate_nothing(worker_results):

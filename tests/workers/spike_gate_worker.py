@@ -321,17 +321,21 @@ def unlike_gates(root: str) -> dict[str, Any]:
     0 and broadcasts the weights), then a window with one slot fewer on rank 0 (reset there after the first step, as
     where an exception stops one rank before its step is recorded). Each agreement must reach the same outcome on
     every rank, not a verdict per rank (rank 0 rejecting a spike its own baseline sees, rank 1 accepting it and
-    waiting in the next collective): the same error for the histories, the same verdict on the slots both hold."""
+    waiting in the next collective): the same error for the histories, the same verdict on the slots both hold.
+    Then a step more on rank 1 that folds its window of two slots and not rank 0's: their slots hold different steps,
+    so the same error again."""
     from lightning_ckguard import GradientGuard
 
     rank = torch.distributed.get_rank()
     module = nn.Linear(2, 1)
     outcomes = []
-    for misuse in ("history loaded on rank 0", "window reset on rank 0"):
-        guard = GradientGuard(module, spike_gate=gate())
+    for misuse in ("history loaded on rank 0", "window reset on rank 0", "a step more on rank 1, folded"):
+        folding = misuse.endswith("folded")  # two slots: rank 1's third step folds its window, rank 0's does not
+        guard = GradientGuard(module, spike_gate=SpikeGate(warmup_steps=3, history=50, resolution=2) if folding
+                              else gate())
         if misuse.startswith("history") and rank == 0:
             guard.load_state_dict({"spike_history": {"loss": [1.0, 1.1, 0.9, 1.0], "grad_norm": [1.0] * 4}})
-        for step, loss in enumerate((1.0, 1e4)):
+        for step, loss in enumerate((1.0, 1e4, 1.0) if folding and rank == 1 else (1.0, 1e4)):
             module(torch.ones(1, 2)).sum().backward()
             guard.record(None, step=step, loss=torch.tensor(loss))
             module.zero_grad()
