@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -93,9 +94,13 @@ class Rewind:
     spikes: tuple[Spike, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values (what ``json.loads`` of its log line gives back)."""
+        """Plain JSON values (what ``json.loads`` of its log line gives back). A spike's value, ratio or deviations
+        that is not a finite number (a gradient norm past its sum of squares' range, a baseline with no spread) is the
+        string ``"inf"``, ``"-inf"`` or ``"nan"``, which ``float()`` reads back: the line stays strict JSON."""
         values = asdict(self)
         values["non_finite_state"] = [list(entry) for entry in self.non_finite_state]
+        values["spikes"] = [{name: _strict_json_number(value) for name, value in spike.items()}
+                            for spike in values["spikes"]]
         return {name: list(value) if isinstance(value, tuple) else value for name, value in values.items()}
 
     def describe(self) -> str:
@@ -218,9 +223,14 @@ class RewindLog:
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "a") as f:  # one line per rewind: appended lines of earlier fits stay
-            f.write(json.dumps(record.as_dict()) + "\n")
+            f.write(json.dumps(record.as_dict(), allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def _strict_json_number(value: Any) -> Any:
+    """``value``, or for a float that is not finite its name as ``float()`` reads it (JSON has no such numbers)."""
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def callbacks_of_kind(trainer: Any, kind: str) -> list[Any]:

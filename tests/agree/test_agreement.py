@@ -109,6 +109,23 @@ def test_state_names_of_the_named_ranks_reach_every_rank_whole():
     assert len(_row()) == SUMMARY_SIZE + STATE_SUMMARY_SIZE == SUMMARY_SIZE + 1 + NAME_WORDS
 
 
+@pytest.mark.parametrize("rows", [[_row(1, 3, 3, params=[0]), _row()], [_row(), _row(state=["buffer bn.running_var"])]],
+                         ids=["gradients", "state"])
+def test_a_rejection_among_few_ranks_names_them_all_and_counts_none_more(rows):
+    verdict, _ = agree_among(rows, 4, ["w"])
+    error = verdict.to_error()
+    assert verdict.unnamed_ranks == 0 and error.unnamed_ranks == 0
+    assert "more" not in verdict.reason and "more" not in str(error)
+
+
+def test_past_16_ranks_a_rank_with_non_finite_gradients_is_named_before_a_state_only_one():
+    # ranks 0 and 1 share a naming slot at 32 ranks: the one whose gradients were non-finite is named, with them
+    rows = [_row() for _ in range(32)]
+    rows[0], rows[1] = _row(state=["buffer bn.running_var"]), _row(1, 5, 5, params=[0])
+    error = agree_among(rows, 6, ["w"])[0].to_error()
+    assert error.ranks == (1,) and error.parameters == ("w",) and (error.first_step, error.last_step) == (5, 5)
+
+
 def test_error_survives_pickling_with_all_fields():
     error = NonFiniteGradientError(ranks=[3, 1], first_step=4, last_step=6, num_steps=2, global_step=8,
                                    parameters=["layer.weight"])

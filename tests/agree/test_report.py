@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from helpers import QUIET, CountOps, FaultyModel
 from lightning_ckguard import BoundaryReport, FiniteGradCheckpoint, NonFiniteGradientError
+from lightning_ckguard.agree.spikes import Level
 
 STEPS = dict(limit_val_batches=0, log_every_n_steps=1)
 NO_LOGGER = {k: v for k, v in QUIET.items() if k != "logger"}
@@ -106,3 +107,10 @@ def test_last_report_is_an_immutable_description_of_the_last_boundary(tmp_path):
     assert str(report.to_error()) in report.message
     assert any(report.message in str(w.message) for w in warned)
     assert "rejected the checkpoint at train epoch end" in report.message
+
+
+def test_a_baseline_or_a_window_maximum_of_zero_is_logged():
+    # a loss that sits at exactly 0 has a baseline of 0: a value, not a missing one
+    levels = (Level("loss", 0.0, 0.0), Level("grad_norm", None, None))
+    report = BoundaryReport("train batch end", 5, True, levels=levels)
+    assert report.metrics() == {"ckguard/loss_baseline": 0.0, "ckguard/loss_window_max": 0.0}

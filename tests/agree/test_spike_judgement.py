@@ -625,3 +625,12 @@ def test_small_gradients_read_in_batches_give_their_squares_from_the_stacked_cop
     grads[-2][3] = float("nan")
     flags, total = FlagsAndSquares()(grads, torch.device("cpu"))
     assert flags.tolist() == [i == len(grads) - 2 for i in range(len(grads))] and total.isnan()
+
+
+def test_a_loaded_history_replaces_what_the_history_had_learned():
+    # a callback reused for a next fit, resumed from a checkpoint: the checkpoint's history, not a mix of the two
+    gate = SpikeGate(measures=("loss",), warmup_steps=8, history=16)
+    history = _history(gate, [100.0] * 8)
+    history.load_state_dict({"loss": [1.0] * 8})
+    assert history.state_dict()["loss"] == [1.0] * 8
+    assert judge(gate, history, _measures([50.0], first_step=9)).spikes

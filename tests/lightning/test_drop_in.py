@@ -134,6 +134,17 @@ class SidecarIO(TorchCheckpointIO):
         os.remove(f"{path}.json")
 
 
+class OrderedAsyncCheckpointIO(AsyncCheckpointIO):
+    """Lightning's ``AsyncCheckpointIO`` removes on the calling thread while saves may still be queued on its own
+    (Lightning-AI/pytorch-lightning#14035): a top-k eviction can run before the evicted checkpoint, and its sidecar,
+    were written. A removal here first waits for the saves queued before it, so the run does not depend on timing."""
+
+    def remove_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()  # one worker, first in first out: every earlier save ran
+        super().remove_checkpoint(*args, **kwargs)
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 def test_a_subclass_of_lightnings_checkpoint_io_that_overrides_save_gets_the_real_paths(tmp_path, background):
     """Only Lightning's own ``save_checkpoint`` is written to a staging name: an override sees the name
@@ -144,7 +155,7 @@ def test_a_subclass_of_lightnings_checkpoint_io_that_overrides_save_gets_the_rea
         callback = cls(dirpath=root, monitor="val_loss", save_top_k=1, save_last=True)
         io = SidecarIO()
         seed_everything(0)
-        trainer = _trainer(callback, 3, plugins=[AsyncCheckpointIO(io) if background else io])
+        trainer = _trainer(callback, 3, plugins=[OrderedAsyncCheckpointIO(io) if background else io])
         trainer.fit(FaultyModel(val_losses=LOSSES))
         trainer.strategy.checkpoint_io.teardown()  # AsyncCheckpointIO: wait for its thread
         seen[cls] = (sorted(os.listdir(root)), io.paths, os.path.basename(callback.best_model_path))

@@ -7,6 +7,7 @@ bad batch ends; the loss of an accumulated step is what Lightning counts; the ``
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import warnings
@@ -65,12 +66,12 @@ class Regression(LightningModule):
 
 
 def fit(root: Any, data: list, policy: str = "skip", max_steps: int = 30, gate: SpikeGate | None = GATE,
-        ckpt_path: Any = None, **trainer_options: Any
+        ckpt_path: Any = None, model_class: type[Regression] = Regression, **trainer_options: Any
         ) -> tuple[FiniteGradCheckpoint, Regression, RecordingLogger, list[str]]:
     seed_everything(0)
     callback = FiniteGradCheckpoint(dirpath=os.path.join(root, "checkpoints"), filename="{step}",
                                     every_n_train_steps=1, save_top_k=-1, on_non_finite=policy, spike_gate=gate)
-    model, logger = Regression(data), RecordingLogger()
+    model, logger = model_class(data), RecordingLogger()
     callbacks = [*trainer_options.pop("callbacks", []), callback]
     options = {**QUIET, "logger": logger, "log_every_n_steps": 1, **trainer_options}
     trainer = Trainer(max_steps=max_steps, limit_val_batches=0, callbacks=callbacks, **options)
@@ -115,6 +116,28 @@ def test_rewind_ends_where_a_run_that_never_saw_the_bad_batch_ends(tmp_path):
         for name, value in rewound["state_dict"].items():
             torch.testing.assert_close(value, clean["state_dict"][name], rtol=1e-5, atol=1e-6, msg=name)
         assert rewound["optimizer_states"][0]["state"][0]["step"] == clean["optimizer_states"][0]["state"][0]["step"]
+
+
+class Frozen(Regression):
+    """Learns nothing: every clean step has the same loss and gradient norm, so their spread is 0."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_the_rewind_log_stays_strict_json_when_a_spike_is_infinitely_many_deviations_away(tmp_path):
+    data = [(torch.ones(8, 4), torch.ones(8, 1) * (1e3 if index == BAD_BATCH else 1.0)) for index in range(40)]
+    callback, _, _, _ = fit(tmp_path, data, policy="rewind", max_steps=24, model_class=Frozen)
+    (rewind,) = callback.rewinds
+    assert {spike.deviations for spike in rewind.spikes} == {float("inf")}
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    with open(tmp_path / "checkpoints" / "ckguard-rewinds.jsonl") as f:
+        (line,) = [json.loads(text, parse_constant=refuse) for text in f]
+    assert line == rewind.as_dict()
+    assert [float(spike["deviations"]) for spike in line["spikes"]] == [float("inf")] * len(rewind.spikes)
 
 
 def test_the_loss_of_an_accumulated_step_is_the_mean_of_its_micro_batches(tmp_path):

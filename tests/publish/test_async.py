@@ -171,6 +171,34 @@ def test_boundaries_queued_behind_a_failing_write_publish_nothing(tmp_path):
     assert list(callback.best_k_models) == [str(tmp_path / "step=1.ckpt")]
 
 
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_a_boundary_whose_last_cannot_be_put_in_place_is_undone_and_the_previous_last_stays(tmp_path, monkeypatch,
+                                                                                          save_last):
+    # step 4's unit puts `step=4.ckpt` in place, then its `last` (a copy moved over the old one, or a link) is refused:
+    # the unit's new name goes, and the `last` step 2 published is still there, whole
+    def refused(*args: Any) -> None:
+        raise OSError(30, "Read-only file system (injected)", args[-1])
+
+    operation = "move_into_place" if save_last is True else "make_link"
+    original = getattr(background, operation)
+
+    def refuses_last_at_step_4(source: str, destination: str) -> None:
+        if save_last is True:  # the copy moved over the old `last`, once `step=4.ckpt` is in place
+            last_of_step_4 = os.path.basename(destination) == "last.ckpt" and (tmp_path / "step=4.ckpt").exists()
+        else:  # the link to `step=4.ckpt`
+            last_of_step_4 = os.path.basename(source) == "step=4.ckpt"
+        (refused if last_of_step_4 else original)(source, destination)
+
+    monkeypatch.setattr(background, operation, refuses_last_at_step_4)
+    callback = FiniteGradCheckpoint(**_newest_two(tmp_path, save_last=save_last))
+    with pytest.raises(OSError, match="injected"):
+        _fit(tmp_path, AsyncCheckpointIO(), callback, max_steps=4)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert list(callback.best_k_models) == [str(tmp_path / "step=2.ckpt")]
+    assert callback.last_model_path == str(tmp_path / "last.ckpt")
+
+
 def test_model_checkpoint_with_async_checkpoint_io_loses_the_evicted_checkpoint_when_the_write_fails(tmp_path):
     """The control: plain ``ModelCheckpoint`` evicts while the new checkpoint is still queued; when the write fails,
     both are gone: until the next boundary there is no checkpoint at all, while its ledger names the missing one."""

@@ -127,3 +127,44 @@ def test_a_peer_is_still_told_that_a_failed_background_write_published_nothing(t
     assert str(error).endswith("Nothing was published for it on any rank.")
     assert mine.published is not None and theirs.published is not None, "the ledger goes back to before it"
     assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=2.ckpt"]
+
+
+def _one_unit(tmp_path, fails: str) -> BackgroundPublisher:
+    """Rank 0 of one process: a unit that writes ``epoch=1``, then evicts ``epoch=0``; its ``fails`` fails."""
+    old, new = str(tmp_path / "epoch=0-step=2.ckpt"), str(tmp_path / "epoch=1-step=4.ckpt")
+    torch.save({}, old)
+    staging = staging_path(new)
+    publisher = BackgroundPublisher(NotFlushing())
+    unit = publisher.open_unit(Ledger.capture(ModelCheckpoint(dirpath=tmp_path)))
+    unit.write(staging, _save(staging, fails))
+    unit.publish(staging, new)
+    unit.evict(old, BusyRemovalIO().remove_checkpoint)
+    publisher.submit(unit)
+    publisher.wait()
+    return publisher
+
+
+def test_a_failed_eviction_met_while_an_exception_unwinds_leaves_the_ledger_standing(tmp_path):
+    # no agreement while an exception unwinds: the fit asks for this rank's own failure, and its boundary was published
+    publisher = _one_unit(tmp_path, "eviction")
+    failure = publisher.local_failure()
+    publisher.close()
+    assert failure is not None and isinstance(failure.error, OSError) and failure.error.errno == errno.EBUSY
+    assert failure.published is None, "the ledger of a published boundary went back"
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+
+
+def test_a_unit_that_removes_a_name_and_then_writes_it_again_keeps_the_new_checkpoint(tmp_path):
+    # a subclass's overwrite of one fixed name (remove, then save) in one boundary: the removal is no eviction
+    path = str(tmp_path / "model.ckpt")
+    torch.save({"version": "old"}, path)
+    publisher = BackgroundPublisher(NotFlushing())
+    unit = publisher.open_unit(Ledger.capture(ModelCheckpoint(dirpath=tmp_path)))
+    unit.evict(path, os.remove)
+    staging = staging_path(path)
+    unit.write(staging, lambda: torch.save({"version": "new"}, staging))
+    unit.publish(staging, path)
+    publisher.submit(unit)
+    publisher.wait()
+    publisher.close()
+    assert os.listdir(tmp_path) == ["model.ckpt"] and torch.load(path)["version"] == "new"

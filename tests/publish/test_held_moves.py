@@ -203,3 +203,19 @@ def test_a_held_failure_met_while_an_exception_is_handled_warns_and_the_exceptio
     assert os.listdir(tmp_path) == []  # step 2 never put in place, nothing saved on the exception
     assert (callback.best_k_models, callback.last_model_path) == ({}, "")
     assert trainer.state.status == "interrupted"  # Lightning's own handling ran to its end
+
+
+def test_a_held_failure_left_at_an_exception_rolls_the_ledger_back_in_one_process(tmp_path):
+    # step 2's rename is refused (held); step 3 raises and no agreement comes after it: the fit's end, during the
+    # exception, is where the failure is met, and the ledger goes back to what was published (nothing)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=True)
+    trainer = Trainer(callbacks=[callback], max_steps=6, limit_val_batches=0, **QUIET)
+    undo = refuse_moves_to("epoch=0-step=2")
+    try:
+        warned = pytest.warns(UserWarning, match=r"a checkpoint write failed as well: .*injected")
+        with warned, pytest.raises(RuntimeError, match="boom"):
+            trainer.fit(RaisesAtStep3())
+    finally:
+        undo()
+    assert os.listdir(tmp_path) == []
+    assert (callback.best_model_path, callback.best_k_models, callback.last_model_path) == ("", {}, "")

@@ -6,8 +6,11 @@ itself (``lightning_ckguard.publish.remote.removal_allowed``) on the paths a lis
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 import fsspec
@@ -20,7 +23,8 @@ from test_object_storage import EXPECTED_AFTER_RESUME, _resume_scenario
 
 from helpers import QUIET, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
-from lightning_ckguard.publish.remote import removal_allowed
+from lightning_ckguard.lightning.packages import is_last_name
+from lightning_ckguard.publish.remote import newest_last_checkpoint, removal_allowed
 
 EPOCHS = dict(limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
 LOSSES = [3.0, 2.0, 1.0, 0.5]
@@ -52,6 +56,18 @@ def test_ckpt_path_last_resumes_on_a_non_local_fsspec_filesystem(memory_root):
     assert str(trainer.ckpt_path).startswith("memory://") and str(trainer.ckpt_path).endswith("/run/last.ckpt")
     assert trainer.global_step == 6
     assert _names(url) == {"epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"}  # no `last-v1.ckpt`
+
+
+def test_ckpt_path_last_takes_only_checkpoint_files_on_a_non_local_filesystem(memory_root):
+    # a newer object whose name starts with `last` but is not a checkpoint (the run's own notes) is not resumed from
+    url = f"{memory_root}/run"
+    args = dict(dirpath=url, save_last=True)
+    seed_everything(0)
+    Trainer(callbacks=[FiniteGradCheckpoint(**args)], max_epochs=1, **QUIET, **EPOCHS).fit(FaultyModel())
+    fsspec.filesystem("memory").pipe(f"{url}/last.json", b'{"note": "written after the fit"}')
+    trainer = Trainer(callbacks=[FiniteGradCheckpoint(**args)], max_epochs=2, **QUIET, **EPOCHS)
+    trainer.fit(FaultyModel(), ckpt_path="last")
+    assert str(trainer.ckpt_path).endswith("/run/last.ckpt") and trainer.global_step == 4
 
 
 @pytest.mark.parametrize("case", list(EXPECTED_AFTER_RESUME))
@@ -116,6 +132,66 @@ def test_a_name_the_storage_cannot_say_exists_is_never_removed_by_a_rollback(mem
     assert {path.rsplit("/", 1)[-1] for path in fs.ls(url, detail=False)} == {"step=2.ckpt", "last.ckpt"}
     with fs.open(f"{url}/last.ckpt", "rb") as f:
         assert torch.load(f, weights_only=False)["global_step"] == 2
+
+
+class LookFailsAt(Callback):
+    """At optimizer step ``step``: the storage gives no answer to the look ``ModelCheckpoint`` makes for
+    ``last.ckpt``'s name."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            FlakyMemoryFileSystem.looks["last.ckpt"] = [False]
+
+
+def test_a_look_the_storage_cannot_answer_raises_the_storages_own_error_in_one_process(memory_root, monkeypatch):
+    # at step 4 ModelCheckpoint's look for `last.ckpt`'s name gets no answer: the error a user sees is the storage's
+    fsspec.register_implementation("flakymemory", FlakyMemoryFileSystem, clobber=True)
+    monkeypatch.setattr(FlakyMemoryFileSystem, "looks", {})
+    monkeypatch.setattr(FlakyMemoryFileSystem, "refused", set())
+    url = memory_root.replace("memory://", "flakymemory://") + "/run"
+    callback = FiniteGradCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=1, save_last=True,
+                                    filename="{step}")
+    seed_everything(0)
+    trainer = Trainer(callbacks=[LookFailsAt(3), callback], max_steps=4, limit_val_batches=0, **QUIET)
+    with pytest.raises(ConnectionError, match="no answer about .*last.ckpt"):
+        trainer.fit(FaultyModel())
+
+
+class StampedMemoryFileSystem(MemoryFileSystem):
+    """fsspec's in-memory filesystem whose listing gives modification times as an object store does: ``LastModified``,
+    in whole seconds, here set per name in ``stamps``."""
+
+    protocol = "stampedmemory"
+    stamps: dict[str, datetime] = {}
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        entries = super().ls(path, detail=True, **kwargs)
+        for entry in entries:
+            entry["LastModified"] = self.stamps[entry["name"].rsplit("/", 1)[-1]]
+        return entries if detail else [entry["name"] for entry in entries]
+
+
+def test_ckpt_path_last_on_object_storage_takes_the_newest_whole_last(memory_root, monkeypatch):
+    fs = StampedMemoryFileSystem()
+    url = f"{memory_root}/run"
+    day = lambda d: datetime(2026, 1, d, tzinfo=timezone.utc)  # noqa: E731
+    monkeypatch.setattr(StampedMemoryFileSystem, "stamps", {"last-v1.ckpt": day(1), "last.ckpt": day(2)})
+    for name in StampedMemoryFileSystem.stamps:
+        fs.pipe(f"{url}/{name}", b"checkpoint")
+    is_last = partial(is_last_name, "last", ".ckpt")
+    # a later fit rewrote `last.ckpt`: newer than the version an earlier fit left
+    newest = lambda: {os.path.basename(path) for path in newest_last_checkpoint(fs, url, is_last)}  # noqa: E731
+    assert newest() == {"last.ckpt"}
+    # in the same second, the higher version counter was written later
+    StampedMemoryFileSystem.stamps["last-v1.ckpt"] = day(2)
+    assert newest() == {"last-v1.ckpt"}
+    # an empty object is no checkpoint (an upload of nothing, a marker a tool left), however new
+    StampedMemoryFileSystem.stamps["last-v2.ckpt"] = day(3)
+    fs.pipe(f"{url}/last-v2.ckpt", b"")
+    assert newest() == {"last-v1.ckpt"}
 
 
 def test_the_removal_rule_on_listing_paths_and_urls():

@@ -297,6 +297,23 @@ def test_a_resume_that_drops_the_best_entry_names_the_best_one_left(tmp_path, mo
         ["epoch=0-step=2.ckpt", "epoch=2-step=6.ckpt"])
 
 
+def test_a_last_checkpoint_gone_before_a_resume_is_dropped_from_the_state(tmp_path):
+    def fit(ckpt_path: str | None = None) -> FiniteGradCheckpoint:
+        callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
+        seed_everything(0)
+        trainer = Trainer(callbacks=[callback], max_epochs=2, limit_train_batches=2, limit_val_batches=1,
+                          num_sanity_val_steps=0, **QUIET)
+        trainer.fit(FaultyModel(val_losses=[3.0, 2.0]), ckpt_path=ckpt_path)
+        return callback
+
+    best = fit().best_model_path
+    (tmp_path / "last.ckpt").unlink()  # deleted by hand; the best checkpoint's state still names it
+    with pytest.warns(UserWarning, match=r"dropped 1 checkpoint\(s\).*last.ckpt"):
+        callback = fit(ckpt_path=best)  # trains no further (to evaluate, say)
+    assert callback.last_model_path == "" and callback.best_model_path == best
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=4.ckpt"]
+
+
 def test_completeness_is_judged_from_the_markers_a_writer_puts_down_last(tmp_path):
     torch.save({"x": torch.ones(3)}, tmp_path / "whole.ckpt")
     (tmp_path / "cut.ckpt").write_bytes((tmp_path / "whole.ckpt").read_bytes()[:200])

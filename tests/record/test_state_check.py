@@ -157,6 +157,15 @@ def test_the_names_travel_in_the_summary_and_a_long_list_is_counted():
                                 .tolist()) == (1, ("bn.ü",))
 
 
+def test_names_that_fill_the_summary_exactly_all_travel():
+    first = "a" * 200
+    second = "b" * (NAME_WORDS * 8 - len(first) - 1)  # with the separator: every byte of the words
+    tensors = [(first, torch.tensor([float("nan")])), (second, torch.tensor([float("nan")]))]
+    assert decode_state_summary(StateCheck().summary(tensors, torch.device("cpu")).tolist()) == (2, (first, second))
+    tensors.append(("c", torch.tensor([float("nan")])))  # one more does not fit: counted, not named
+    assert decode_state_summary(StateCheck().summary(tensors, torch.device("cpu")).tolist()) == (3, (first, second))
+
+
 def test_the_core_rejects_non_finite_state_whatever_count_skipped_steps_says():
     model = BatchNormModel()
     optimizer = _stepped(model)

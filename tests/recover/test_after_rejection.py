@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -103,3 +103,50 @@ def test_stop_refuses_other_checkpoint_callbacks_and_returns_normally(tmp_path):
     with pytest.raises(NonFiniteGradientError):
         trainer.save_checkpoint(tmp_path / "manual.ckpt")
     assert not (tmp_path / "manual.ckpt").exists()
+
+
+def test_a_new_fit_not_resumed_after_a_stop_publishes_nothing_before_its_first_step(tmp_path):
+    # the gradients are sanitised, so the weights "stop" left are finite and only the guard knows they are rejected
+    guard = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, on_non_finite="stop")
+    model = FaultyModel(fault_steps=[2])
+    seed_everything(0)
+    with pytest.warns(UserWarning, match="Stopping training"):
+        Trainer(callbacks=[guard], max_steps=6, limit_val_batches=0, **QUIET).fit(model)
+    assert guard.rejection.global_step == 3
+    published = tree_digest(str(tmp_path))
+    # a new fit from the same weights, not resumed: the boundary of its first micro-batch comes before any step
+    model.fault_steps = set()
+    trainer = Trainer(callbacks=[guard], max_steps=2, accumulate_grad_batches=2, limit_val_batches=0, **QUIET)
+    with pytest.warns(UserWarning, match="at global step 0: the previous boundary on rank 0 was rejected and no "
+                                         "optimizer step has been applied since"):
+        trainer.fit(model)
+    assert trainer.global_step == 0 and guard.rejection.global_step == 0
+    assert tree_digest(str(tmp_path)) == published
+
+
+class _RaisesAtStep3(FaultyModel):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise RuntimeError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+class _EmergencySave(Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_exception(self, trainer, pl_module, exception):
+        trainer.save_checkpoint(self.path)
+
+
+def test_an_emergency_save_in_on_exception_is_refused_without_replacing_the_users_error(tmp_path):
+    # the steps since the last published checkpoint hold a non-finite one that no boundary judged yet
+    guard = FiniteGradCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1)
+    emergency = str(tmp_path / "emergency.ckpt")
+    seed_everything(0)
+    trainer = Trainer(callbacks=[guard, _EmergencySave(emergency)], max_steps=6, limit_val_batches=0, **QUIET)
+    with pytest.warns(UserWarning, match="refused to write .*emergency.ckpt"):
+        with pytest.raises(RuntimeError, match="the user's own error"):
+            trainer.fit(_RaisesAtStep3(fault_steps=[1]))
+    assert not os.path.exists(emergency) and not (tmp_path / "ckpt").exists()
+    assert guard.rejection is not None and guard.rejection.first_step == 1

@@ -358,3 +358,25 @@ def test_without_a_monitor_a_rewind_goes_back_to_the_steps_own_file_not_to_last(
     assert (rewind.global_step, os.path.basename(rewind.checkpoint)) == (10, "epoch=0-step=5.ckpt")
     with open(tmp_path / REWIND_LOG_NAME) as f:
         assert [json.loads(line)["checkpoint"] for line in f] == [rewind.checkpoint]
+
+
+class DeletesAt(Callback):
+    """Deletes ``path`` at the end of optimizer step ``step``, as a user cleaning up by hand might."""
+
+    def __init__(self, path: Any, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.remove(self.path)
+
+
+def test_a_rewind_whose_checkpoint_was_deleted_is_refused_saying_so(tmp_path):
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}",
+                                    on_non_finite="rewind")
+    seed_everything(0)
+    trainer = Trainer(max_steps=6, callbacks=[DeletesAt(tmp_path / "step=2.ckpt", 3), callback],
+                      limit_val_batches=0, **QUIET)
+    with pytest.raises(RewindRefusedError, match=r"step=2.ckpt, no longer exists"):
+        trainer.fit(FaultyModel(fault_steps=[3], sanitize=False))
+    assert os.listdir(tmp_path) == []
