@@ -277,17 +277,15 @@ class GuardedCheckpoint(_CheckpointBase):
         return vote.improves
 
     def file_exists(self, filepath: _PATH, trainer: pl.Trainer) -> bool:
-        """``ModelCheckpoint.file_exists``; on object storage a look that fails on rank 0 raises on every rank."""
-        fallback = partial(super().file_exists, filepath, trainer)
-        return bool(self._fit_for(trainer).storage.file_exists(trainer.strategy, str(filepath), fallback))
+        """``ModelCheckpoint.file_exists``, as the fit's storage answers it (:meth:`GuardedFit.file_exists`)."""
+        return self._fit_for(trainer).file_exists(str(filepath), partial(super().file_exists, filepath, trainer))
 
     def _should_remove_checkpoint(self, trainer: pl.Trainer, previous: str, current: str) -> bool:
         """``ModelCheckpoint``'s rule, and on object storage the rule it applies on local disk: never the checkpoint
         the fit resumed from, nor one outside ``dirpath`` (Lightning issue #21813)."""
         fallback = partial(super()._should_remove_checkpoint, trainer, previous, current)
         dirpath = str(self.dirpath) if self.dirpath is not None else None
-        fit = self._fit_for(trainer)
-        return bool(fit.storage.removal_allowed(previous, current, dirpath, fit.resumed_from(), fallback))
+        return self._fit_for(trainer).removal_allowed(previous, current, dirpath, fallback)
 
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """Candidates for ``ckpt_path="last"``, found after resolving what an interrupted publication left behind

@@ -117,6 +117,7 @@ class GuardedFit:
         self._should_stop_when_published = False  # `trainer.should_stop` when the rewind's checkpoint was published
         self._rewind_due: BoundaryReport | None = None  # a rejected write outside the boundaries rewinds at the next
         self._resumed_from: str | None = None  # the checkpoint this fit resumed from, as the storage resolved it
+        self._kept: list[str] = []  # checkpoints ModelCheckpoint would have removed and this fit keeps
         self._setup_number = 0  # which set-up fit of this process this is (0: one driven by hand, never set up)
         self._finished = False  # training ended (an exception leaves the fit in place: Lightning runs no teardown)
 
@@ -349,9 +350,27 @@ class GuardedFit:
         boundary succeeded, and never before the agreement (a subclass may remove before it writes), else now."""
         if transaction is not None:
             transaction.admit()
+            transaction.removed.append(path)
             self.writer.remove(path, self.evict)
         else:
             self.evict(path)
+
+    def removal_allowed(self, previous: str, current: str, dirpath: str | None, fallback: Callable[[], bool]) -> bool:
+        """``ModelCheckpoint._should_remove_checkpoint`` (``fallback``) as the storage rules it; what is kept where
+        ``ModelCheckpoint`` removes it (the file the fit resumed from) is remembered as gone for :meth:`file_exists`."""
+        allowed = bool(self.storage.removal_allowed(previous, current, dirpath, self.resumed_from(), fallback))
+        if not allowed and fallback():
+            self._kept.append(previous)
+        return allowed
+
+    def file_exists(self, path: str, fallback: Callable[[], bool]) -> bool:
+        """``ModelCheckpoint.file_exists`` (``fallback``), as the storage answers it, given what ``ModelCheckpoint``
+        would have removed by now: what this fit keeps instead, and the running boundary's evictions, which wait until
+        its writes succeeded. A ``last`` link to one of them dangles for ``ModelCheckpoint`` and is moved, not
+        versioned (``last-v1``) and left on the old checkpoint."""
+        transaction = own_transaction(self.checkpoint)
+        removed = [*self._kept, *(transaction.removed if transaction is not None else ())]
+        return bool(self.storage.file_exists(self.trainer.strategy, path, fallback, removed))
 
     def evict(self, path: str) -> None:
         """``ModelCheckpoint``'s own removal, for real, and the copy an earlier replacement kept for readers (else a

@@ -47,9 +47,17 @@ class LocalStorage:
         """Whether ``path`` holds a whole checkpoint (one cut off by a crash does not count)."""
         return bool(self.fs.exists(path)) and checkpoint_is_complete(path)
 
-    def file_exists(self, strategy: Any, path: str, fallback: Callable[[], bool]) -> bool:
-        """``ModelCheckpoint.file_exists`` (``fallback``): right on local disk."""
-        return fallback()
+    def file_exists(self, strategy: Any, path: str, fallback: Callable[[], bool], removed: Sequence[str] = ()) -> bool:
+        """``ModelCheckpoint.file_exists`` (``fallback``), right on local disk, but for a link to a checkpoint
+        ``ModelCheckpoint`` would have removed by now (``removed``: one kept here, the file a fit resumed from, or an
+        eviction waiting for the boundary's writes): for ``ModelCheckpoint`` it dangles and does not exist, so a
+        ``last`` link to it is moved, not kept beside a new ``last-v1`` (rank 0 looks, in the same one collective)."""
+        gone = {os.path.realpath(p) for p in removed}
+        if not gone:
+            return fallback()
+        seen = strategy.is_global_zero and bool(self.fs.exists(path))
+        local = seen and not (os.path.islink(path) and os.path.realpath(path) in gone)
+        return bool(strategy.reduce_boolean_decision(local, all=False))
 
     def resumed_checkpoint(self, path: str) -> str:
         """At the fit's start: the file it resumed from, with links resolved (``ckpt_path="last"`` names the ``last``
@@ -129,8 +137,9 @@ class ObjectStorage:
         """Whether an object is there (an upload is whole or absent)."""
         return bool(self.fs.exists(path))
 
-    def file_exists(self, strategy: Any, path: str, fallback: Callable[[], bool]) -> bool:
-        """Rank 0 looks; a failed look raises on every rank, in the one collective ``ModelCheckpoint`` makes."""
+    def file_exists(self, strategy: Any, path: str, fallback: Callable[[], bool], removed: Sequence[str] = ()) -> bool:
+        """Rank 0 looks; a failed look raises on every rank, in the one collective ``ModelCheckpoint`` makes (object
+        storage has no links: ``removed`` changes nothing)."""
         return exists_on_every_rank(strategy, self.fs, path, strategy.is_global_zero)
 
     def resumed_checkpoint(self, path: str) -> str:

@@ -80,6 +80,7 @@ class BoundaryTransaction:
         self._held_lines = held_lines
         self.accepted: bool | None = None  # None until the first file operation
         self.created: list[str] = []
+        self.removed: list[str] = []  # what the hook removed: gone for ModelCheckpoint, evicted once published
 
     def admit(self) -> None:
         """Call before each file operation: the first one agrees; a rejected boundary unwinds the hook."""

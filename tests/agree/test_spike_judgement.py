@@ -378,6 +378,20 @@ def test_a_gradient_held_by_several_ranks_counts_its_squares_once(monkeypatch, o
     assert ops.host_reads == 0 and not any(n.startswith("lift_fresh") for n in ops.names), ops.names
 
 
+def test_the_sum_of_squares_covers_the_gradients_read_apart_from_the_exact_reader():
+    # a model with a bf16 layer: its gradient is squared in a pass of its own, the fp32 one with its flags
+    grads = [torch.full((100,), 1.0), torch.full((10,), 3.0, dtype=torch.bfloat16)]
+    _, total = FlagsAndSquares()(grads, torch.device("cpu"))
+    assert float(total) == pytest.approx(100 + 90, rel=1e-2)
+
+
+def test_each_gradient_keeps_its_replica_count_whichever_pass_squares_it():
+    # HSDP or tensor parallelism: a small fp16 gradient on one rank (a dot), a large one held by 4 (a fused norm)
+    grads = [torch.full((10,), 2.0, dtype=torch.float16), torch.full((8192,), 1.0, dtype=torch.float16)]
+    _, total = FlagsAndSquares()(grads, torch.device("cpu"), replicas=(1, 4))
+    assert float(total) == pytest.approx(40 + 8192 / 4, rel=1e-3)
+
+
 @pytest.mark.parametrize("width", [4, 512], ids=["small", "read-in-pieces"])
 def test_recording_with_the_gate_reads_nothing_back_and_communicates_nothing(width):
     model = torch.nn.Sequential(torch.nn.Linear(width, 8 * width), torch.nn.Tanh(), torch.nn.Linear(8 * width, 1))

@@ -3,6 +3,7 @@ ways, writes Lightning does not make itself get the real path, and the Trainer g
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any
@@ -177,3 +178,20 @@ def test_the_trainer_gets_its_own_save_checkpoint_back_after_fit(tmp_path):
     # the mock saw the published names, as with ModelCheckpoint, and nothing crashed on the files it never wrote
     assert [os.path.basename(call.args[0]) for call in mocked.save_checkpoint.call_args_list] == [
         "epoch=0-step=2.ckpt", "last.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+
+
+class PassThroughIO(TorchCheckpointIO):
+    """A user's own checkpoint IO (its ``save_checkpoint`` overridden): the guard writes through it directly."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_a_users_own_checkpoint_io_overwriting_names_on_a_finite_run_logs_no_warning(tmp_path, caplog):
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True, save_top_k=1)
+    seed_everything(0)
+    with caplog.at_level(logging.WARNING, logger="lightning_ckguard"):
+        Trainer(callbacks=[callback], max_steps=4, limit_val_batches=0, plugins=[PassThroughIO()], **QUIET).fit(
+            FaultyModel())
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("lightning_ckguard")] == []

@@ -84,13 +84,13 @@ def test_each_held_key_combines_as_the_metrics_page_says():
     connector = _Connector()
     held = HeldMetrics(connector)
     held.hold({"ckguard/loss_window_max": 5.0, "ckguard/loss_baseline": 1.0, "ckguard/non_finite_steps": 1.0,
-               "ckguard/accepted": 1.0})
+               "ckguard/skipped_steps": 2.0, "ckguard/accepted": 1.0})
     held.hold({"ckguard/loss_window_max": -3.0, "ckguard/loss_baseline": 2.0, "ckguard/non_finite_steps": 2.0,
-               "ckguard/accepted": 2.0, "ckguard/grad_norm_window_max": 0.5})
+               "ckguard/skipped_steps": 1.0, "ckguard/accepted": 2.0, "ckguard/grad_norm_window_max": 0.5})
     held({"train_loss": 0.25}, 4)
     assert connector.calls == [{"train_loss": 0.25, "ckguard/loss_window_max": 5.0, "ckguard/loss_baseline": 2.0,
-                                "ckguard/non_finite_steps": 3.0, "ckguard/accepted": 2.0,
-                                "ckguard/grad_norm_window_max": 0.5}]
+                                "ckguard/non_finite_steps": 3.0, "ckguard/skipped_steps": 3.0,
+                                "ckguard/accepted": 2.0, "ckguard/grad_norm_window_max": 0.5}]
     held.hold({"ckguard/loss_window_max": -3.0})  # after a flush, nothing of before is held
     held({"train_loss": 0.5}, 9)
     assert connector.calls[-1] == {"train_loss": 0.5, "ckguard/loss_window_max": -3.0}

@@ -118,3 +118,43 @@ def test_a_last_link_to_the_file_a_fit_resumed_from_goes_as_model_checkpoint_rem
     guarded = _resumed_through_its_own_name_with_last_links(FiniteGradCheckpoint, tmp_path / "guarded")
     assert guarded == plain
     assert "epoch=0-step=4.ckpt" in guarded
+
+
+def _links_after_resumes(cls: type[ModelCheckpoint], root, fits, losses, save_top_k: int) -> tuple[dict[str, str], str]:
+    """``fits``: (max_epochs, ckpt_path or a callable of the directory) per fit, one `save_last="link"` callback each.
+    Returns the directory (each name, a file or the link's target) and the last fit's `last_model_path`."""
+    for max_epochs, ckpt_path in fits:
+        callback = cls(dirpath=root, monitor="val_loss", save_top_k=save_top_k, save_last="link")
+        seed_everything(0)
+        _trainer(callback, max_epochs).fit(FaultyModel(val_losses=losses),
+                                           ckpt_path=ckpt_path(root) if callable(ckpt_path) else ckpt_path)
+    names = {name: os.readlink(root / name) if os.path.islink(root / name) else "file" for name in os.listdir(root)
+             if not name.startswith(".")}
+    return names, os.path.basename(callback.last_model_path)
+
+
+@pytest.mark.parametrize("through", ["last", "the link's path"])
+def test_a_last_link_to_the_kept_file_a_fit_resumed_from_moves_as_model_checkpoint_moves_it(through, tmp_path):
+    # the first fit's only checkpoint holds no `last_model_path` (ModelCheckpoint links `last` after writing it), so
+    # the resumed fit's first `last` meets Lightning's version counter: ModelCheckpoint evicted the file it resumed
+    # from, its `last.ckpt` dangles and is moved; the file kept here must not make it `last-v1.ckpt` and leave
+    # `last.ckpt` on the old weights
+    resume = "last" if through == "last" else (lambda root: str(root / "last.ckpt"))
+    fits, losses = [(1, None), (3, resume)], [3.0, 2.0, 1.0]
+    plain, plain_last = _links_after_resumes(ModelCheckpoint, tmp_path / "plain", fits, losses, save_top_k=1)
+    guarded, guarded_last = _links_after_resumes(FiniteGradCheckpoint, tmp_path / "guarded", fits, losses, 1)
+    assert plain == {"epoch=2-step=6.ckpt": "file", "last.ckpt": "epoch=2-step=6.ckpt"}
+    assert guarded == {**plain, "epoch=0-step=2.ckpt": "file"}  # the file resumed from is kept, nothing more
+    assert guarded_last == plain_last == "last.ckpt"
+
+
+def test_a_last_link_to_a_checkpoint_the_boundary_evicts_moves_as_model_checkpoint_moves_it(tmp_path):
+    # the third fit resumes from epoch 1's file (no `last_model_path` in it, `last.ckpt` still links to epoch 0) and
+    # evicts epoch 0: ModelCheckpoint has removed it before `last` is written, here the eviction waits for the
+    # boundary's writes; `last.ckpt` must still be moved, not versioned and left dangling
+    fits = [(1, None), (2, "last"), (3, lambda root: str(root / "epoch=1-step=4.ckpt"))]
+    losses = [3.0, 2.0, 1.0]
+    plain = _links_after_resumes(ModelCheckpoint, tmp_path / "plain", fits, losses, save_top_k=2)
+    guarded = _links_after_resumes(FiniteGradCheckpoint, tmp_path / "guarded", fits, losses, save_top_k=2)
+    assert guarded == plain
+    assert plain[0]["last.ckpt"] == "epoch=2-step=6.ckpt"

@@ -107,6 +107,8 @@ def test_boundaries_publish_in_acceptance_order_after_their_write_while_training
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=4.ckpt", "step=6.ckpt"]
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 6
     assert sorted(callback.best_k_models) == [str(tmp_path / "step=4.ckpt"), str(tmp_path / "step=6.ckpt")]
+    if save_last == "link":  # relative, as ModelCheckpoint links it: the run directory can be moved
+        assert os.readlink(tmp_path / "last.ckpt") == "step=6.ckpt"
 
 
 def test_the_same_files_and_ledger_as_a_synchronous_fit(tmp_path):

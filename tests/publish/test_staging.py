@@ -12,6 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_ckguard.publish.staging as staging_module
+import lightning_ckguard.publish.storage as storage_module
 from conftest import LAST_AT_EVERY_BOUNDARY
 from helpers import QUIET, DirectoryCheckpointStrategy, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
@@ -488,3 +489,16 @@ def test_resuming_from_an_older_checkpoint_of_the_run_says_why_its_evicted_entri
                                          r"from a checkpoint older than the run's latest"):
         second = fit(4, ckpt_path=first.best_model_path)
     assert str(tmp_path / "epoch=0-step=2.ckpt") not in second.best_k_models
+
+
+def test_a_recovery_that_fails_at_setup_raises_before_training(tmp_path, monkeypatch):
+    # the filesystem refuses to put back a retired copy: training must not go on over a `dirpath` left half recovered
+    def refused(dirpath: str, subdirectories: bool = True) -> list[str]:
+        raise PermissionError(13, "Permission denied (injected)", os.path.join(dirpath, ".last.ckpt.ckguard-retired"))
+
+    monkeypatch.setattr(storage_module, "recover", refused)
+    model = FaultyModel()
+    with pytest.raises(PermissionError, match="injected"):
+        Trainer(callbacks=[FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2)], max_steps=4,
+                limit_val_batches=0, **QUIET).fit(model)
+    assert model.global_step == 0 and os.listdir(tmp_path) == []
