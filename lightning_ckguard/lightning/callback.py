@@ -277,7 +277,8 @@ class GuardedCheckpoint(_CheckpointBase):
         return vote.improves
 
     def file_exists(self, filepath: _PATH, trainer: pl.Trainer) -> bool:
-        """``ModelCheckpoint.file_exists``, as the fit's storage answers it (:meth:`GuardedFit.file_exists`)."""
+        """``ModelCheckpoint.file_exists``, as the fit's storage answers it: a link to a checkpoint that
+        ``ModelCheckpoint`` would have removed by now (kept, or evicted later here) does not exist."""
         return self._fit_for(trainer).file_exists(str(filepath), partial(super().file_exists, filepath, trainer))
 
     def _should_remove_checkpoint(self, trainer: pl.Trainer, previous: str, current: str) -> bool:

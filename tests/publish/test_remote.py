@@ -102,21 +102,22 @@ class FlakyMemoryFileSystem(MemoryFileSystem):
 
 
 class StorageFailsAt(Callback):
-    """At optimizer step ``step``: the storage answers the look ``ModelCheckpoint`` makes for ``last.ckpt``'s name,
-    cannot say at the next, answers again after, and refuses ``last.ckpt``'s upload."""
+    """At optimizer step ``step``: the next looks the storage is asked for ``last.ckpt``'s name answer or not as
+    ``looks`` says (``FlakyMemoryFileSystem.looks``), and with ``refuse`` its upload is refused."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, looks: list[bool], refuse: bool) -> None:
+        self.step, self.looks, self.refuse = step, looks, refuse
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if trainer.global_step == self.step:
-            FlakyMemoryFileSystem.looks["last.ckpt"] = [True, False]
-            FlakyMemoryFileSystem.refused.add("last.ckpt")
+            FlakyMemoryFileSystem.looks["last.ckpt"] = list(self.looks)
+            if self.refuse:
+                FlakyMemoryFileSystem.refused.add("last.ckpt")
 
 
-def test_a_name_the_storage_cannot_say_exists_is_never_removed_by_a_rollback(memory_root, monkeypatch):
-    # at step 4 `last.ckpt` exists (step 2's), but the storage cannot say so, and its upload fails: the boundary rolls
-    # back what it created, and must assume `last.ckpt` was there before it, not remove the only `last`
+def _flaky_fit(memory_root: str, monkeypatch: Any, failing: StorageFailsAt) -> tuple[Trainer, str]:
+    """A fit to be run on a ``FlakyMemoryFileSystem`` directory that fails as ``failing`` says: a checkpoint every 2
+    steps, the newest kept, and ``last``; and that directory's URL."""
     fsspec.register_implementation("flakymemory", FlakyMemoryFileSystem, clobber=True)
     monkeypatch.setattr(FlakyMemoryFileSystem, "looks", {})
     monkeypatch.setattr(FlakyMemoryFileSystem, "refused", set())
@@ -124,7 +125,13 @@ def test_a_name_the_storage_cannot_say_exists_is_never_removed_by_a_rollback(mem
     callback = FiniteGradCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=1, save_last=True,
                                     filename="{step}")
     seed_everything(0)
-    trainer = Trainer(callbacks=[StorageFailsAt(3), callback], max_steps=4, limit_val_batches=0, **QUIET)
+    return Trainer(callbacks=[failing, callback], max_steps=4, limit_val_batches=0, **QUIET), url
+
+
+def test_a_name_the_storage_cannot_say_exists_is_never_removed_by_a_rollback(memory_root, monkeypatch):
+    # at step 4 `last.ckpt` exists (step 2's), but the storage cannot say so, and its upload fails: the boundary rolls
+    # back what it created, and must assume `last.ckpt` was there before it, not remove the only `last`
+    trainer, url = _flaky_fit(memory_root, monkeypatch, StorageFailsAt(3, looks=[True, False], refuse=True))
     with pytest.raises(OSError, match="upload of .*last.ckpt refused"):
         trainer.fit(FaultyModel())
     FlakyMemoryFileSystem.refused.clear()
@@ -134,28 +141,9 @@ def test_a_name_the_storage_cannot_say_exists_is_never_removed_by_a_rollback(mem
         assert torch.load(f, weights_only=False)["global_step"] == 2
 
 
-class LookFailsAt(Callback):
-    """At optimizer step ``step``: the storage gives no answer to the look ``ModelCheckpoint`` makes for
-    ``last.ckpt``'s name."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            FlakyMemoryFileSystem.looks["last.ckpt"] = [False]
-
-
 def test_a_look_the_storage_cannot_answer_raises_the_storages_own_error_in_one_process(memory_root, monkeypatch):
     # at step 4 ModelCheckpoint's look for `last.ckpt`'s name gets no answer: the error a user sees is the storage's
-    fsspec.register_implementation("flakymemory", FlakyMemoryFileSystem, clobber=True)
-    monkeypatch.setattr(FlakyMemoryFileSystem, "looks", {})
-    monkeypatch.setattr(FlakyMemoryFileSystem, "refused", set())
-    url = memory_root.replace("memory://", "flakymemory://") + "/run"
-    callback = FiniteGradCheckpoint(dirpath=url, every_n_train_steps=2, save_top_k=1, save_last=True,
-                                    filename="{step}")
-    seed_everything(0)
-    trainer = Trainer(callbacks=[LookFailsAt(3), callback], max_steps=4, limit_val_batches=0, **QUIET)
+    trainer, _ = _flaky_fit(memory_root, monkeypatch, StorageFailsAt(3, looks=[False], refuse=False))
     with pytest.raises(ConnectionError, match="no answer about .*last.ckpt"):
         trainer.fit(FaultyModel())
 
