@@ -228,6 +228,15 @@ class FaultyModel(BoringModel):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class RaisesAtStep3(FaultyModel):
+    """Raises an error of the user's own (``RuntimeError("boom on rank N")``) in the training step of global step 3."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.trainer.global_step == 3:
+            raise RuntimeError(f"boom on rank {self.global_rank}")
+        return super().training_step(batch, batch_idx)
+
+
 class SleepsAtStep(FaultyModel):
     """Sleeps at the start of the given global steps, so a background write queued before each has finished by the
     next boundary."""

@@ -97,6 +97,11 @@ def test_the_file_a_fit_resumed_from_through_the_last_link_is_never_evicted(tmp_
     assert list(second.best_k_models) == [str(tmp_path / "epoch=3-step=8.ckpt")]
 
 
+def _names_and_links(root) -> dict[str, str]:
+    """Each name in ``root``: ``"file"``, or a link's target."""
+    return {name: os.readlink(root / name) if os.path.islink(root / name) else "file" for name in os.listdir(root)}
+
+
 def _resumed_through_its_own_name_with_last_links(cls: type[ModelCheckpoint], root) -> dict[str, str]:
     """Every 2 steps, `last-{epoch}` links; the second fit resumes from step 4's file by its own name, which
     `last-epoch=0` links to. Returns the directory: each name, a file or the link's target."""
@@ -109,7 +114,7 @@ def _resumed_through_its_own_name_with_last_links(cls: type[ModelCheckpoint], ro
     seed_everything(0)
     trainer(1).fit(FaultyModel())
     trainer(2).fit(FaultyModel(), ckpt_path=str(root / "epoch=0-step=4.ckpt"))
-    return {name: os.readlink(root / name) if os.path.islink(root / name) else "file" for name in os.listdir(root)}
+    return _names_and_links(root)
 
 
 def test_a_last_link_to_the_file_a_fit_resumed_from_goes_as_model_checkpoint_removes_it(tmp_path):
@@ -128,9 +133,7 @@ def _links_after_resumes(cls: type[ModelCheckpoint], root, fits, losses, save_to
         seed_everything(0)
         _trainer(callback, max_epochs).fit(FaultyModel(val_losses=losses),
                                            ckpt_path=ckpt_path(root) if callable(ckpt_path) else ckpt_path)
-    names = {name: os.readlink(root / name) if os.path.islink(root / name) else "file" for name in os.listdir(root)
-             if not name.startswith(".")}
-    return names, os.path.basename(callback.last_model_path)
+    return _names_and_links(root), os.path.basename(callback.last_model_path)
 
 
 @pytest.mark.parametrize("through", ["last", "the link's path"])

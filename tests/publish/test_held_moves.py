@@ -21,6 +21,7 @@ from helpers import (
     BusyRemovalIO,
     DirectoryCheckpointStrategy,
     FaultyModel,
+    RaisesAtStep3,
     ledger_state,
     refuse_moves_to,
     refuse_removal_of_epoch_0,
@@ -178,13 +179,6 @@ def test_a_retired_copy_rank_0_cannot_release_is_held_like_a_refused_move(tmp_pa
     assert ledger_state(callback) == before["state"], "the ledger was not rolled back to the published one"
     published = {name: entry for name, entry in before["tree"].items() if not name.startswith(".")}
     assert tree_digest(str(tmp_path)) == published, "something of the failed boundary is left"  # copies released
-
-
-class RaisesAtStep3(FaultyModel):
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.trainer.global_step == 3:
-            raise RuntimeError("boom")
-        return super().training_step(batch, batch_idx)
 
 
 def test_a_held_failure_met_while_an_exception_is_handled_warns_and_the_exception_surfaces(tmp_path):

@@ -9,7 +9,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from helpers import QUIET, FaultyModel, tree_digest
+from helpers import QUIET, FaultyModel, RaisesAtStep3, tree_digest
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 
 EPOCHS = dict(max_epochs=3, limit_train_batches=2, limit_val_batches=1, num_sanity_val_steps=0)
@@ -124,13 +124,6 @@ def test_a_new_fit_not_resumed_after_a_stop_publishes_nothing_before_its_first_s
     assert tree_digest(str(tmp_path)) == published
 
 
-class _RaisesAtStep3(FaultyModel):
-    def training_step(self, batch, batch_idx):
-        if self.global_step == 3:
-            raise RuntimeError("the user's own error")
-        return super().training_step(batch, batch_idx)
-
-
 class _EmergencySave(Callback):
     def __init__(self, path: str) -> None:
         self.path = path
@@ -146,7 +139,7 @@ def test_an_emergency_save_in_on_exception_is_refused_without_replacing_the_user
     seed_everything(0)
     trainer = Trainer(callbacks=[guard, _EmergencySave(emergency)], max_steps=6, limit_val_batches=0, **QUIET)
     with pytest.warns(UserWarning, match="refused to write .*emergency.ckpt"):
-        with pytest.raises(RuntimeError, match="the user's own error"):
-            trainer.fit(_RaisesAtStep3(fault_steps=[1]))
+        with pytest.raises(RuntimeError, match="boom on rank 0"):
+            trainer.fit(RaisesAtStep3(fault_steps=[1]))
     assert not os.path.exists(emergency) and not (tmp_path / "ckpt").exists()
     assert guard.rejection is not None and guard.rejection.first_step == 1

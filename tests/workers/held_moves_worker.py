@@ -32,6 +32,7 @@ from helpers import (  # noqa: E402
     QUIET,
     BusyRemovalIO,
     FaultyModel,
+    RaisesAtStep3,
     fit_outcome,
     ledger_state,
     refuse_moves_to,
@@ -57,13 +58,6 @@ def evict_fails(root: str) -> dict[str, Any]:
     result.update(tree=tree_digest(dirpath), state=ledger_state(callback), global_step=trainer.global_step,
                   snapshots={str(k): v for k, v in model.snapshots.items()})
     return result
-
-
-class RaisesAtStep3(FaultyModel):
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.trainer.global_step == 3:
-            raise RuntimeError(f"boom on rank {self.global_rank}")
-        return super().training_step(batch, batch_idx)
 
 
 def held_then_exception(root: str) -> dict[str, Any]:
