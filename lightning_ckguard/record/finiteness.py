@@ -284,7 +284,8 @@ class _LargePieces:
     sum of squares for a spike gate, for about half the price of a pass of its own inside a training step
     (``benchmarks/spike_gate.py``)."""
 
-    def __init__(self, members: list[int], values: list[Tensor], reader: str, scale: Tensor) -> None:
+    def __init__(self, members: list[int], values: list[Tensor], reader: str, scale: Tensor, dots: Tensor) -> None:
+        """``dots``: where each piece's sum of squares goes, one entry per piece (:meth:`piece_count`)."""
         self.members = members
         self.orders = [_flat_order(values[i]) or () for i in members]
         piece_type = _ProbePiece if reader == "probe" else _ExtremesPiece
@@ -293,7 +294,7 @@ class _LargePieces:
                   for i in members]
         counts = [[piece_type.outputs_for(n) for n in pieces] for pieces in numels]
         self.outputs = torch.empty(sum(map(sum, counts)), dtype=torch.float32)
-        self.dots = torch.empty(sum(map(len, numels)), dtype=torch.float32)
+        self.dots = dots
         self.readers: list[list[_ProbePiece | _ExtremesPiece]] = []
         self.dot_outputs: list[list[Tensor]] = []
         output_owners: list[int] = []
@@ -312,6 +313,10 @@ class _LargePieces:
         self.dot_owners = torch.tensor(dot_owners, dtype=torch.int64)
         self.probes = torch.zeros(len(members), dtype=torch.float32)
 
+    @staticmethod
+    def piece_count(members: list[int], values: list[Tensor]) -> int:
+        return sum(-(-values[i].numel() // PIECE_NUMEL) for i in members)
+
     def squares_taken(self) -> _SquaresPart:
         """After a read with squares: each piece's sum of squares, and the member each belongs to."""
         return _SquaresPart(self.members, self.dots, self.dot_owners)
@@ -328,6 +333,24 @@ class _LargePieces:
                     torch.dot(piece, piece, out=dot_output)  # the piece just read, still in this core's cache
         # each output as 0 (finite) or NaN before they are added up per tensor: a sum of rows could overflow
         return self.probes.zero_().index_add_(0, self.output_owners, self.outputs.mul_(0))
+
+
+class _DotSlots:
+    """One buffer for every sum of squares a group's reads take along (fp64 for fp64 tensors, else fp32), handed out
+    as consecutive views, so that adding them all up is one kernel a step."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._buffer = torch.empty(capacity, dtype=dtype, device=device)
+        self._used = 0
+
+    def take(self, count: int) -> Tensor:
+        view = self._buffer[self._used : self._used + count]
+        self._used += count
+        return view
+
+    def used(self) -> Tensor | None:
+        """The slots handed out, as one view; None if none was."""
+        return self._buffer[: self._used] if self._used else None
 
 
 @dataclass
@@ -350,15 +373,15 @@ class _Extremes:
         self.dot_outputs = [None] * len(self.members)
         self.flat_orders = [()] * len(self.members)
 
-    def take_squares(self, values: list[Tensor]) -> None:
+    def take_squares(self, values: list[Tensor], slots: _DotSlots) -> None:
         """Plan a BLAS dot after the read of each fp32 or fp64 member that some permutation makes contiguous
-        (channels-last ones too), while it is in cache (the others' squares are left to the caller: a dot of fp16
-        overflows, one of bf16 rounds twice)."""
+        (channels-last ones too), while it is in cache, into ``slots`` (the others' squares are left to the caller: a
+        dot of fp16 overflows, one of bf16 rounds twice)."""
         if self.buffer.dtype not in WIDE_DTYPES:
             return
         orders = {i: _flat_order(values[i]) for i in self.members}
         self.squared = [i for i in self.members if orders[i] is not None]
-        self.dots = torch.empty(len(self.squared), dtype=self.buffer.dtype, device=self.buffer.device)
+        self.dots = slots.take(len(self.squared))
         outputs = dict(zip(self.squared, self.dots.unbind(), strict=True))
         self.dot_outputs = [outputs.get(i) for i in self.members]
         self.flat_orders = [orders[i] or () for i in self.members]
@@ -394,6 +417,7 @@ class _Group:
     large: _LargePieces | None = None
     chunks: list[_Chunk] = field(default_factory=list)
     chunk_squares: _SquaresPart | None = None  # the chunks' members and their sums of squares, in chunk order
+    squares: Tensor | None = None  # every sum of squares its reads take along (one buffer), when they take any
     extremes: _Extremes | None = None  # read by aminmax, in input order
     norms: list[int] = field(default_factory=list)  # accelerators
     index: dict[torch.device, Tensor] = field(default_factory=dict)  # ``positions`` as a tensor, per output device
@@ -426,12 +450,13 @@ class TakenSquares:
     parts: list[_SquaresPart]
     positions: list[int]
     rest: list[int]
+    buffers: list[Tensor]  # per group, the one buffer its parts' ``dots`` are views of
 
     def total(self) -> Tensor:
-        """Their sum, a 0-d float64 tensor on the CPU (each part summed in float64: one kernel a part)."""
-        total = self.parts[0].dots.sum(dtype=torch.float64)
-        for part in self.parts[1:]:
-            total = total + part.dots.sum(dtype=torch.float64)
+        """Their sum, a 0-d float64 tensor on the CPU (summed in float64: one kernel a group)."""
+        total = self.buffers[0].sum(dtype=torch.float64)
+        for buffer in self.buffers[1:]:
+            total = total + buffer.sum(dtype=torch.float64)
         return total
 
     def each(self) -> Tensor:
@@ -450,7 +475,8 @@ def _squares_taken(groups: list[_Group], count: int) -> TakenSquares | None:
     if not parts:
         return None
     positions = [i for part in parts for i in part.positions]
-    return TakenSquares(parts, positions, sorted(set(range(count)) - set(positions)))
+    return TakenSquares(parts, positions, sorted(set(range(count)) - set(positions)),
+                        [g.squares for g in groups if g.squares is not None])
 
 
 class NonFiniteCheck:
@@ -582,49 +608,53 @@ class NonFiniteCheck:
                 large.append(i)
             else:
                 extremes.append(i)
-        if large:
-            group.large = self._plan_large_pieces(large, values, ieee)
         # a shape with few members is cheaper read by aminmax than stacked and probed (benchmarks/)
         for shape in [shape for shape, indices in by_shape.items() if len(indices) < SMALL_BATCH_MIN]:
             extremes += by_shape.pop(shape)
+        slots = _DotSlots(_LargePieces.piece_count(large, values) + sum(map(len, by_shape.values())) + len(extremes),
+                          torch.float64 if dtype == torch.float64 else torch.float32, device)
+        if large:
+            group.large = self._plan_large_pieces(large, values, ieee, slots)
         if by_shape:
-            group.chunks, group.chunk_squares = self._plan_chunks(device, dtype, by_shape)
+            group.chunks, group.chunk_squares = self._plan_chunks(device, dtype, by_shape, slots)
         if extremes:
             extremes.sort()
             group.extremes = _Extremes.over(extremes, dtype, device)
-            group.extremes.take_squares(values)
+            group.extremes.take_squares(values, slots)
+        group.squares = slots.used()
         group.positions = ([] if group.large is None else group.large.members) + [
             i for c in group.chunks for i in c.members] + extremes
         return group
 
-    def _plan_large_pieces(self, members: list[int], values: list[Tensor], ieee: bool) -> _LargePieces:
+    def _plan_large_pieces(self, members: list[int], values: list[Tensor], ieee: bool,
+                           slots: _DotSlots) -> _LargePieces:
         """The large fp32 tensors' reader: the probe or ``aminmax`` as forced, else the faster of the two on these
         gradients (measured once per layout). Without exact fp32 matrix products, ``aminmax``."""
         scale = self._scale(torch.device("cpu"), torch.float32, PROBE_WIDTH)
         reader = (self._large_reader or _forced_reader()) if ieee else "aminmax"
         layout = (torch.get_num_threads(), *((values[i].shape, values[i].stride()) for i in members))
         reader = reader or _measured_layouts.get(layout)  # another reader of this layout measured it already
+        dots = slots.take(_LargePieces.piece_count(members, values))
         if reader is None:
             if len(_measured_layouts) >= self.MAX_PLANS:  # bounded, like the plans (layouts can vary: MoE experts)
                 _measured_layouts.clear()
-            readers = {name: _LargePieces(members, values, name, scale) for name in CPU_READERS}
+            readers = {name: _LargePieces(members, values, name, scale, dots) for name in CPU_READERS}
             reader = _measured_layouts[layout] = _calibrate(
                 partial(readers["probe"].read, values), partial(readers["aminmax"].read, values),
                 sum(values[i].numel() for i in members))
             return readers[reader]
-        return _LargePieces(members, values, reader, scale)
+        return _LargePieces(members, values, reader, scale, dots)
 
     def _plan_chunks(
-        self, device: torch.device, dtype: torch.dtype, by_shape: dict[tuple[int, ...], list[int]]
+        self, device: torch.device, dtype: torch.dtype, by_shape: dict[tuple[int, ...], list[int]], slots: _DotSlots
     ) -> tuple[list[_Chunk], _SquaresPart]:
-        """The chunks of ``by_shape``'s tensors, and the buffer their sums of squares go to (fp64 for fp64 tensors,
-        else fp32), with its members in chunk order."""
+        """The chunks of ``by_shape``'s tensors, and where their sums of squares go (taken from ``slots``), with its
+        members in chunk order."""
         workspace = self._workspace(device, dtype, max(min(len(m), max(1, WORKSPACE_NUMEL // math.prod(s)))
                                                        * math.prod(s) for s, m in by_shape.items()))
         scale = self._scale(device, dtype, max(math.prod(s) for s in by_shape))
         members_in_order = [i for indices in by_shape.values() for i in indices]
-        dots = torch.empty(len(members_in_order), dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                           device=device)
+        dots = slots.take(len(members_in_order))
         chunks: list[_Chunk] = []
         offset = 0  # into ``dots``, of the next chunk's members
         for shape, indices in by_shape.items():

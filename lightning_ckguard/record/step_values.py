@@ -1,7 +1,7 @@
 """Per-step values of the window for a spike gate: each optimizer step's loss and gradient sum of squares, on the
 device, in a buffer of a fixed size.
 
-Recording a step writes a few numbers into one slot of a small float64 matrix with seven or eight tiny kernels; nothing
+Recording a step writes a few numbers into one slot of a small float64 matrix with five to seven tiny kernels; nothing
 is read back to the host and nothing is communicated. At a boundary the whole matrix (:meth:`StepValues.summary`,
 ``ROWS x capacity`` words, whatever the window's length) is summed over the ranks in one all-reduce, and every rank
 reads the same global values from it (``lightning_ckguard.agree.spikes``).
@@ -51,8 +51,8 @@ class StepValues:
     """The per-step values of one rank's window (see the module docstring), with their step labels on the host.
 
     The step under way collects its losses in one small vector, and recording its gradients writes that vector into
-    the step's slot with one copy (merged with the slot's other steps, for a step that joins a folded slot): seven tiny
-    kernels per step, eight in a folded window, every view made once here.
+    the step's slot with one copy (merged with the slot's other steps, for a step that joins a folded slot): five tiny
+    kernels per step, six or seven in a folded window, every view made once here.
 
     Args:
         device: Where the values live (the gradients' device, so recording needs no copy).
@@ -71,9 +71,15 @@ class StepValues:
         self.labels: list[list[int]] = []  # per used slot, [first step, last step] (host ints)
         self._steps_in_last_slot = 0
         self.steps_per_slot = 1
-        # the step under way, one value per row; its row views and each slot's column views are made once
-        self._step = torch.zeros(ROWS, dtype=torch.float64, device=self.device)
+        # the step under way, one value per row, as it starts: no loss yet, but LOSS_SEEN set for the loss to come,
+        # so that giving one is a single kernel (a step that gets none has LOSS and LOSS_SEEN replaced once, at its
+        # end); its row views and each slot's column views are made once
+        self._fresh_step = torch.zeros(ROWS, dtype=torch.float64, device=self.device)
+        self._fresh_step[LOSS_SEEN] = 1.0
+        self._no_loss = torch.tensor([-math.inf, 0.0], dtype=torch.float64, device=self.device)  # LOSS, LOSS_SEEN
+        self._step = self._fresh_step.clone()
         self._step_rows = self._step.unbind(0)
+        self._loss_rows = self._step[LOSS : LOSS_SEEN + 1]
         self._columns = self.values.unbind(1)
         self._column_values = [column[:INVALID] for column in self._columns]  # every row but INVALID (the last)
         self._column_counts = [column[INVALID] for column in self._columns]
@@ -91,10 +97,8 @@ class StepValues:
                     loss = loss.to(self.device, non_blocking=True)
                 if loss.dim():
                     loss = loss.reshape(())
-            if not self._loss_given:
-                self._step_rows[LOSS_SEEN].fill_(1.0)
-                self._loss_given = True
             self._step_rows[LOSS].add_(loss)
+            self._loss_given = True
 
     def record_step(self, sharded: Tensor | None, replicated: Tensor | None, invalid: Tensor, step: int,
                     left_out: Tensor | bool | None = None) -> None:
@@ -131,15 +135,18 @@ class StepValues:
             self._step_rows[REPLICATED].copy_(replicated)
         self._step_rows[INVALID].copy_(invalid)
         if not self._loss_given:
-            self._step_rows[LOSS].fill_(-math.inf)
+            self._loss_rows.copy_(self._no_loss)
 
     def _start_next_step(self) -> None:
         """The next step starts with no values and no loss given."""
-        self._step.zero_()
+        self._step.copy_(self._fresh_step)
         self._loss_given = False
 
     def _place(self, step_values: Tensor, step: int, left_out: Tensor | bool | None) -> None:
         slot = self._next_slot(step)
+        if self.steps_per_slot == 1 and isinstance(left_out, Tensor):  # the step or nothing, straight into its slot
+            torch.where(left_out, self._left_out, step_values, out=self._columns[slot])
+            return
         if isinstance(left_out, Tensor):
             step_values = torch.where(left_out, self._left_out, step_values)
         elif left_out:
