@@ -1,7 +1,7 @@
 """Gradient sources without a process group: DeepSpeed's partitions read from a stand-in engine, which source a
 strategy gets, the parameters ``param.grad`` is read from as the module and its optimizers change, and the names of a
-``torch.compile``d module's parameters. Only the guard on a bare module under Fabric's DeepSpeed (CPU shim) runs one
-rank's process group, made for each test and taken down after it."""
+``torch.compile``d module's parameters. Only the guards under Fabric's DeepSpeed (CPU shim: on the bare module, on the
+engine itself) run one rank's process group, made for each test and taken down after it."""
 
 from __future__ import annotations
 
@@ -347,6 +347,27 @@ def test_under_deepspeed_zero_0_a_guard_on_the_bare_module_reads_param_grad_and_
         fabric.backward(model(inputs).pow(2).mean())
         bare.record()
         assert not bare.agree(fabric.strategy).accepted
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(deepspeed_missing() is not None, reason="DeepSpeed is not installed")
+def test_a_guard_on_the_deepspeed_engine_itself_names_the_parameters_as_the_users_module_does():
+    """A guard may be given what ``fabric.setup`` returned or the DeepSpeed engine inside it: either way a rejection
+    names the parameters as the user's own module does (``0.weight``, not the engine's ``module.0.weight``)."""
+    from lightning_ckguard import GradientGuard
+
+    with _one_process_deepspeed_fabric(1) as fabric:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        guards = [GradientGuard(model), GradientGuard(model._forward_module)]
+        inputs = torch.randn(4, 4)
+        inputs[0, 0] = float("nan")
+        fabric.backward(model(inputs).pow(2).mean())
+        names = []
+        for guard in guards:
+            guard.record(optimizer)
+            names.append(guard.agree(fabric.strategy).to_error().parameters)
+    assert names[0] == names[1] and names[0] and not any(name.startswith("module.") for name in names[0]), names
 
 
 def test_without_deepspeed_a_module_is_checked_once_per_layout():
