@@ -179,3 +179,12 @@ def test_a_guard_runs_one_collective_when_it_accepts_and_one_more_only_when_it_r
     verdict, _ = guard.agree_carrying(rank0, (), global_step=4)
     assert ops == (["max", "sum"] if nan else ["max"])
     assert verdict.accepted is not nan and verdict.ranks == ((0,) if nan else ())
+
+
+def test_past_16_ranks_one_named_rank_with_others_counted_is_said_as_ranks():
+    # at 32 ranks, ranks 0 and 1 share a naming slot: rank 0 is named and rank 1 counted; two ranks, so "ranks"
+    rows = [_row() for _ in range(32)]
+    rows[0] = rows[1] = _row(1, 5, 5, params=[0])
+    error = agree_among(rows, 6, ["w"])[0].to_error()
+    assert (error.ranks, error.unnamed_ranks) == ((0,), 1)
+    assert "non-finite gradients were recorded on ranks 0 and 1 more in 1 optimizer step (step 5)" in str(error)

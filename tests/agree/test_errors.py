@@ -9,6 +9,7 @@ from lightning_ckguard.errors import (
     CheckpointRestoreError,
     CheckpointWriteError,
     NonFiniteGradientError,
+    Spike,
     StateCheckError,
 )
 
@@ -17,6 +18,11 @@ def _rejection(**overrides):
     fields = dict(ranks=[1, 0], first_step=3, last_step=5, num_steps=2, global_step=6, parameters=["layer.weight"],
                   skipped_steps=1, pending_rejection=False)
     return NonFiniteGradientError(**{**fields, **overrides})
+
+
+def _spike(step: int) -> Spike:
+    return Spike(measure="loss", first_step=step, last_step=step, value=10.0 * step, baseline=1.0, ratio=10.0 * step,
+                 deviations=50.0)
 
 
 def _state_check_failure(**overrides):
@@ -68,6 +74,7 @@ def test_a_copy_equals_the_original(make, duplicate):
     (_rejection, dict(skipped_steps=0)),
     (_rejection, dict(pending_rejection=True)),
     (_rejection, dict(unnamed_ranks=3)),
+    (_rejection, dict(spikes=[_spike(4)])),
     (_write_failure, dict(ranks=[0, 1])),
     (_write_failure, dict(filepath="/ckpts/other.ckpt")),
     (_write_failure, dict(cause=None)),
@@ -128,3 +135,9 @@ def test_a_restore_failure_says_what_the_ranks_hold_as_far_as_it_knows(ranks, wo
     rank_words = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     assert message.startswith(f"Restoring the checkpoint /ckpts/last.ckpt failed on {rank_words}: "), message
     assert message.endswith("restore again, or stop." if world_size == 1 else "restore again on every rank, or stop.")
+
+
+def test_a_rejection_spells_out_three_spikes_and_counts_the_others():
+    message = str(_rejection(spikes=[_spike(step) for step in range(1, 6)]))
+    assert [f"the loss spiked at step {step} to" in message for step in range(1, 6)] == [True] * 3 + [False] * 2
+    assert "; and 2 more spike(s)" in message, message

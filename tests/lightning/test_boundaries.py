@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from conformance_helpers import FakeClock
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -314,3 +315,30 @@ def test_save_on_exception_after_a_nan_saves_nothing_and_keeps_the_original_erro
         Trainer(callbacks=[callback], **QUIET, **EPOCHS).fit(model)
     assert tree_digest(str(tmp_path)) == model.snapshots[4]["tree"]
     assert callback.rejection is not None and callback.rejection.first_step == 4
+
+
+class Clocked(FaultyModel):
+    """Each batch takes 20 s on ``clock`` (ModelCheckpoint's ``time``, a ``FakeClock``)."""
+
+    def __init__(self, clock: FakeClock, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.clock = clock
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.clock.advance(20.0)
+
+
+def test_a_rejected_time_boundary_leaves_the_clock_as_it_was_so_the_next_batch_saves(tmp_path, monkeypatch):
+    # a save per minute of 20 s batches is due at steps 3, 6 and 9. Step 6's is rejected (step 5's NaN) and skipped:
+    # the time ModelCheckpoint marked for it is undone with the rest of its bookkeeping, so the save is still due at
+    # the next batch (step 7), and the next minute counts from there (step 10)
+    import lightning.pytorch.callbacks.model_checkpoint as model_checkpoint_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(model_checkpoint_module, "time", clock)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(minutes=1), save_top_k=-1,
+                                    filename="{step}", on_non_finite="skip")
+    seed_everything(0)
+    with pytest.warns(UserWarning, match="Skipped"):
+        Trainer(callbacks=[callback], max_steps=10, limit_val_batches=0, **QUIET).fit(Clocked(clock, fault_steps=[5]))
+    assert sorted(os.listdir(tmp_path)) == ["step=10.ckpt", "step=3.ckpt", "step=7.ckpt"]

@@ -98,3 +98,45 @@ def test_a_pytorch_lightning_user_keeps_its_rank_zero_logger(first):
               "from lightning_utilities.core import rank_zero\nprint(rank_zero.log.name)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["pytorch_lightning.utilities.rank_zero"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["torch-io", "async-io"])
+def test_a_pytorch_lightning_fit_publishes_each_checkpoint_whole_under_its_name(tmp_path, asynchronous):
+    # that package's own TorchCheckpointIO and AsyncCheckpointIO are recognised as Lightning's: each file is written
+    # under another name and appears under its own only once it is whole (one rename), as under `lightning.pytorch`
+    import pytorch_lightning
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO
+
+    from lightning_ckguard.publish.staging import published_path
+    from lightning_ckguard.pytorch_lightning import FiniteGradCheckpoint
+
+    helpers = helpers_for("pytorch_lightning")
+    visible_when_written: dict[str, bool] = {}
+
+    def written(path: str) -> None:
+        name = published_path(path)
+        visible_when_written[os.path.basename(name)] = os.path.exists(name)
+
+    guard = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = pytorch_lightning.Trainer(callbacks=[guard], plugins=[AsyncCheckpointIO()] if asynchronous else None,
+                                        max_steps=4, limit_val_batches=0, **QUIET)
+    pytorch_lightning.seed_everything(0, verbose=False)
+    undo = helpers.hook_writes(after=written)
+    try:
+        trainer.fit(helpers.FaultyModel())
+    finally:
+        undo()
+    assert visible_when_written == {"step=2.ckpt": False, "step=4.ckpt": False}
+    assert sorted(os.listdir(tmp_path)) == ["step=2.ckpt", "step=4.ckpt"]
+
+
+def test_a_package_whose_name_only_begins_like_pytorch_lightning_is_not_taken_for_it(tmp_path):
+    # `state_key` refuses code of the other package (a `pytorch_lightning` Trainer validating its callbacks); code of
+    # a package that only begins with its name (`pytorch_lightning_bolts`) reads it as any other caller does
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    guard = lightning_ckguard.FiniteGradCheckpoint(dirpath=tmp_path)
+    key = eval("guard.state_key", {"__name__": "pytorch_lightning_bolts.callbacks", "guard": guard})
+    assert key == ModelCheckpoint(dirpath=tmp_path).state_key
+    with pytest.raises(TypeError, match="from lightning_ckguard.pytorch_lightning import FiniteGradCheckpoint"):
+        eval("guard.state_key", {"__name__": "pytorch_lightning.trainer.connectors", "guard": guard})

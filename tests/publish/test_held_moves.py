@@ -213,3 +213,21 @@ def test_a_held_failure_left_at_an_exception_rolls_the_ledger_back_in_one_proces
         undo()
     assert os.listdir(tmp_path) == []
     assert (callback.best_model_path, callback.best_k_models, callback.last_model_path) == ("", {}, "")
+
+
+def test_a_held_failure_met_while_an_exception_is_handled_takes_the_top_k_back_to_what_was_published(tmp_path):
+    # as above, with a monitored top K: step 2's boundary listed its checkpoint, then its rename was refused (held);
+    # save_on_exception's agreement meets the failure, saves nothing, and the ledger is what was published: nothing
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, monitor="step", mode="max",
+                                    save_top_k=-1, save_on_exception=True)
+    trainer = Trainer(callbacks=[callback], max_steps=6, limit_val_batches=0, **QUIET)
+    undo = refuse_moves_to("epoch=0-step=2")
+    try:
+        warned = pytest.warns(UserWarning, match="no checkpoint saved on this exception: an earlier checkpoint")
+        with warned, pytest.raises(RuntimeError, match="boom"):
+            trainer.fit(RaisesAtStep3())
+    finally:
+        undo()
+    assert os.listdir(tmp_path) == []
+    assert (callback.best_k_models, callback.best_model_path, callback.best_model_score) == ({}, "", None)
+    assert (callback.kth_best_model_path, callback.current_score) == ("", None)

@@ -346,3 +346,16 @@ def test_a_rewind_restores_state_the_check_rejected(tmp_path):
     assert os.path.basename(rewind.checkpoint) == "step=2.ckpt"
     assert bool(model.bn.running_var.isfinite().all()), "the restored buffer is the published one"
     assert trainer.global_step == 8 and "step=8.ckpt" in os.listdir(tmp_path)
+
+
+def test_a_state_check_that_raises_names_the_global_step_the_agreement_was_given():
+    # two steps recorded, the boundary at global step 10 (a Fabric loop's own count): the error names step 10
+    model = nn.Linear(2, 1)
+    guard = GradientGuard(model)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        guard.record()
+    with pytest.raises(StateCheckError) as info:
+        guard.agree(None, global_step=10, state={"model": model, "deferred": torch.empty(3, device="meta")})
+    assert (info.value.ranks, info.value.global_step) == ((0,), 10)
+    assert str(info.value).startswith("Checking the state about to be written at global step 10 failed on rank 0: ")
