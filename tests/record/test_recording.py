@@ -97,6 +97,19 @@ def test_a_pending_rejection_outlives_steps_a_loss_scaler_skipped(skip_flag):
     assert guard.agree(global_step=11).accepted
 
 
+def test_a_step_applied_before_a_skipped_one_ends_a_pending_rejection():
+    # the weights changed at the applied step: a step a loss scaler skips afterwards does not make them the rejected
+    # ones again
+    model = _model()
+    guard = GradientGuard(model)
+    model(torch.randn(5, 4)).sum().backward()
+    guard.reset(pending_rejection=True)
+    guard.record(step=9, skipped=torch.tensor(False))  # applied
+    guard.record(step=10, skipped=torch.tensor(True))
+    verdict = guard.agree(global_step=11)
+    assert verdict.accepted, verdict.to_error()
+
+
 def test_frozen_and_gradless_parameters_are_ignored():
     model = _model()
     model[0].weight.requires_grad_(False)
@@ -124,6 +137,20 @@ def test_attribution_when_only_some_parameters_have_gradients():
     guard.record(step=7)
     verdict = guard.agree(global_step=8)
     assert (verdict.accepted, verdict.first_step, verdict.parameters) == (False, 7, ("2.weight",))
+
+
+def test_attribution_when_the_optimizer_holds_every_parameter_in_an_order_of_its_own():
+    # param groups made by kind (no weight decay on the biases): every parameter has a gradient, but the optimizer
+    # lists them in another order than the module
+    model = _model()
+    optimizer = torch.optim.SGD([{"params": [model[0].bias, model[2].bias], "weight_decay": 0.0},
+                                 {"params": [model[0].weight, model[2].weight]}], lr=0.1)
+    guard = GradientGuard(model)
+    model(torch.randn(5, 4)).sum().backward()
+    model[2].weight.grad[0, 0] = float("nan")
+    guard.record(optimizer, step=3)
+    verdict = guard.agree(global_step=4)
+    assert (verdict.accepted, verdict.first_step, verdict.parameters) == (False, 3, ("2.weight",))
 
 
 def test_recording_a_step_reads_nothing_back_to_the_host():
@@ -249,6 +276,34 @@ def test_the_squares_of_a_large_gradient_are_read_piece_by_piece_right_after_its
     assert not [r for r in mode.reads if r[0] == "dot" and r[2] > 5]
 
 
+@pytest.mark.parametrize("reader", ["probe", "aminmax"])
+def test_a_transposed_large_gradient_is_read_in_place_piece_by_piece(reader, monkeypatch):
+    # permuted back to its memory order, not copied: no read takes more than a piece, and each piece's dot reads
+    # the gradient's own memory
+    monkeypatch.setenv("CKGUARD_CPU_READER", reader)
+    grad, check = torch.randn(PIECED // 5, 5).t(), NonFiniteCheck()
+    check.read([grad], torch.device("cpu"), squares=True)  # the first read of a layout plans it
+    with _PieceReads(grad) as mode:
+        flags, taken = check.read([grad], torch.device("cpu"), squares=True)
+    assert not flags.any() and taken is not None and taken.positions == [0]
+    assert mode.reads and all(r[2] <= PIECE for r in mode.reads), mode.reads
+    squares = [r[1:] for r in mode.reads if r[0] == "dot" and r[2] > 5]
+    assert squares == [(start, min(PIECE, PIECED - start)) for start in (0, PIECE, 2 * PIECE)]
+
+
+def test_a_large_fp64_gradient_is_read_whole_by_aminmax_with_its_squares():
+    # fp64 is not read in pieces: one aminmax and one dot of the whole tensor, exact at fp64's largest value
+    cpu, largest = torch.device("cpu"), torch.finfo(torch.float64).max
+    torch.manual_seed(0)
+    grad = torch.randn(finiteness.LARGE_NUMEL + 1, dtype=torch.float64)
+    flags, taken = NonFiniteCheck().read([grad], cpu, squares=True)
+    assert not flags.any() and taken is not None and taken.positions == [0]
+    assert taken.each().tolist() == pytest.approx([float(grad.square().sum())], rel=1e-12)
+    assert not NonFiniteCheck()([torch.full_like(grad, largest), torch.full_like(grad, -largest)], cpu).any()
+    grad[-1] = float("-inf")
+    assert NonFiniteCheck()([grad], cpu).tolist() == [True]
+
+
 def _sparse(values: list[float] | torch.Tensor, size: int) -> torch.Tensor:
     values = torch.as_tensor(values, dtype=torch.float32)
     return torch.sparse_coo_tensor(torch.arange(len(values)).view(1, -1), values, (size,)).coalesce()
@@ -335,6 +390,22 @@ def test_reduced_fp32_matmul_precision_stays_exact():
         matmul.fp32_precision = before
 
 
+def test_many_small_tensors_in_one_chunk_stay_exact_under_reduced_fp32_matmul_precision():
+    # 512 tensors of 64 elements: one chunk, a product large enough for oneDNN to round its inputs to bf16 (fp32's
+    # largest value becomes inf) when the precision allows it
+    cpu, largest = torch.device("cpu"), torch.finfo(torch.float32).max
+    grads = [torch.full((8, 8), largest) for _ in range(512)]
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"  # a property of a torch backend object: set and restore by hand
+    try:
+        assert not NonFiniteCheck()(grads, cpu).any()
+        grads[300][7, 7] = float("nan")
+        assert NonFiniteCheck()(grads, cpu).tolist() == [i == 300 for i in range(len(grads))]
+    finally:
+        matmul.fp32_precision = before
+
+
 @pytest.mark.parametrize("reader", ["probe", "aminmax"])
 @pytest.mark.parametrize("last", [WIDTH + 5, WIDTH, 5], ids=["one-row-and-a-tail", "one-row", "a-tail"])
 def test_a_last_piece_of_one_row_or_less_is_read_whole(last, reader, monkeypatch):
@@ -343,6 +414,22 @@ def test_a_last_piece_of_one_row_or_less_is_read_whole(last, reader, monkeypatch
         grad = torch.zeros(PIECE + last)
         grad[position] = float("nan")
         assert NonFiniteCheck()([grad], torch.device("cpu")).tolist() == [True], position
+
+
+@pytest.mark.parametrize("reader", ["probe", "aminmax"])
+@pytest.mark.parametrize("last", [1, WIDTH + 1], ids=["one-element", "one-row-and-one-element"])
+def test_a_last_piece_ending_in_one_element_is_read_by_its_plan_with_its_squares(last, reader, monkeypatch):
+    # the plan reads it piece by piece and takes each piece's squares along; the plan-free fallback takes none
+    monkeypatch.setenv("CKGUARD_CPU_READER", reader)
+    cpu, check = torch.device("cpu"), NonFiniteCheck()
+    torch.manual_seed(0)
+    grad = torch.randn(PIECE + last)
+    flags, taken = check.read([grad], cpu, squares=True)
+    assert not flags.any() and taken is not None and taken.positions == [0]
+    assert float(taken.total()) == pytest.approx(float(grad.double().square().sum()), rel=1e-5)
+    grad[-1] = float("nan")
+    flags, taken = check.read([grad], cpu, squares=True)
+    assert flags.tolist() == [True] and taken is not None and not taken.each()[0].isfinite()
 
 
 def test_the_large_tensor_reader_is_measured_once_per_layout_and_kept(monkeypatch):

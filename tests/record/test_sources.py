@@ -128,6 +128,62 @@ def test_a_spike_gate_divides_deepspeeds_fp16_loss_scale_out_of_the_gradient_nor
         assert level.window_max == pytest.approx(5.0), loss_scale
 
 
+def _guarded_step(module: torch.nn.Module, optimizer: Any) -> Any:
+    """One step recorded from a stand-in engine's optimizer, and the verdict on it."""
+    from lightning_ckguard import GradientGuard
+    from lightning_ckguard.record.deepspeed_sources import DeepSpeedGradients
+
+    guard = GradientGuard(module, source=DeepSpeedGradients(_FakeEngine(optimizer), module))
+    guard.record(step=4)
+    guard.conclude_step()
+    return guard.agree(None, global_step=5)
+
+
+def test_zero2_slices_without_padding_name_their_parameters_and_an_unknown_layout_names_its_group():
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    params = list(module.parameters())
+    # group 0: one slice per parameter and no padding at all; group 1: fewer slices than parameters, a layout this
+    # version does not know, read whole and named after its group
+    slices = {0: [torch.ones(6), torch.tensor([1.0, float("nan")])], 1: [torch.full((3,), float("inf"))]}
+    optimizer = SimpleNamespace(averaged_gradients=slices, params_in_partition=[params[:2], params[2:]])
+    verdict = _guarded_step(module, optimizer)
+    assert not verdict.accepted
+    assert verdict.parameters == ("0.bias", "<ZeRO partition of parameter group 1>")
+
+
+class _Fragment:
+    """Where a parameter's elements lie in its group's flat fp32 partition, as DeepSpeed's ``_hp_mapping`` says."""
+
+    def __init__(self, start: int, numel: int) -> None:
+        self.address = SimpleNamespace(start=start, numel=numel)
+
+    def get_hp_fragment_address(self) -> SimpleNamespace:
+        return self.address
+
+
+@pytest.mark.parametrize("layout", ["zero2-offload", "bf16-optimizer"])
+def test_flat_fp32_partitions_are_read_by_each_parameters_address_and_whole_where_none_has_one(layout):
+    # group 0 holds the first layer's weight (6 elements) and bias (2) at their addresses; group 1 maps no parameter
+    # into this rank's partition, so it is read whole, unattributed
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    params = list(module.parameters())
+    params[0]._hp_mapping, params[1]._hp_mapping = _Fragment(0, 6), _Fragment(6, 2)  # type: ignore[attr-defined]
+    for bad_group, position, expected in ((1, 0, "<ZeRO partition of parameter group 1>"), (0, 7, "0.bias")):
+        grads = [torch.zeros(8), torch.zeros(3)]
+        grads[bad_group][position] = float("nan")  # in group 0, the bias's last element
+        if layout == "zero2-offload":
+            masters = [torch.zeros(8), torch.zeros(3)]
+            for master, grad in zip(masters, grads, strict=True):
+                master.grad = grad
+            optimizer = SimpleNamespace(averaged_gradients={}, params_in_partition=[params[:2], params[2:]],
+                                        cpu_offload=True, single_partition_of_fp32_groups=masters)
+        else:
+            optimizer = SimpleNamespace(fp32_groups_gradients=grads, bf16_groups=[params[:2], params[2:]],
+                                        fp32_groups_gradient_flat_partition=grads)
+        verdict = _guarded_step(module, optimizer)
+        assert not verdict.accepted and verdict.parameters == (expected,), (bad_group, verdict.parameters)
+
+
 def test_a_new_optimizer_at_a_dead_ones_address_is_read_as_itself():
     """Phases that make their optimizer anew: CPython soon places a new one at a freed one's address (its ``id``). A
     cache keyed by that id read the dead optimizer's parameters, and an inf in the new one's gradient was accepted."""

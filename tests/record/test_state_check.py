@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,6 +144,37 @@ def test_optimizer_state_in_tuples_and_mappings_is_checked_but_their_step_counte
                                              "count": torch.tensor(3)}}
     found = StateCheck().non_finite(named_state(CheckpointState(model, (optimizer,))))
     assert found == ["optimizer: pair[1] of bias", "optimizer: inner.sum of bias"]
+
+
+def test_optimizer_state_of_a_parameter_the_module_does_not_name_is_named_by_its_group_and_place():
+    model = nn.Linear(2, 1)
+    temperature = nn.Parameter(torch.ones(3))  # held by the optimizer, not by the module
+    optimizer = torch.optim.Adam([{"params": model.parameters()}, {"params": [temperature]}], lr=1e-3)
+    (model(torch.randn(4, 2)).sum() + temperature.sum()).backward()
+    optimizer.step()
+    with torch.no_grad():
+        optimizer.state[temperature]["exp_avg"][1] = float("nan")
+    found = StateCheck().non_finite(named_state(CheckpointState(model, (optimizer,))))
+    assert found == ["optimizer: exp_avg of parameter 0 of group 1"]
+
+
+def test_deepspeeds_master_partitions_and_the_moments_of_the_optimizer_stepping_them_are_checked():
+    """DeepSpeed's ``BF16_Optimizer`` as the state check finds it: an fp32 master partition per group, stepped by a
+    torch optimizer whose moments it does not forward as a ``state`` of its own."""
+    masters = [torch.zeros(6, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    inner = torch.optim.Adam(masters, lr=1e-3)
+    for master in masters:
+        master.grad = torch.ones_like(master)
+    inner.step()
+    state = CheckpointState(nn.Linear(2, 1), (SimpleNamespace(fp32_groups_flat_partition=masters, optimizer=inner),))
+    names = [name for name, _ in named_state(state)]
+    assert {"optimizer: fp32 master partition of group 1",
+            "optimizer: exp_avg_sq of the fp32 master partition of group 1"} <= set(names)
+    assert StateCheck().non_finite(named_state(state)) == []
+    with torch.no_grad():
+        inner.state[masters[1]]["exp_avg_sq"][2] = float("nan")
+    assert StateCheck().non_finite(named_state(state)) == [
+        "optimizer: exp_avg_sq of the fp32 master partition of group 1"]
 
 
 def test_the_names_travel_in_the_summary_and_a_long_list_is_counted():
