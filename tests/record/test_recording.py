@@ -110,6 +110,18 @@ def test_a_step_applied_before_a_skipped_one_ends_a_pending_rejection():
     assert verdict.accepted, verdict.to_error()
 
 
+def test_a_ranks_report_counts_the_parameters_and_the_steps_it_saw_non_finite():
+    # one step with a NaN in two parameters: the rank's report says two parameters in one step
+    model = _model()
+    guard = GradientGuard(model)
+    model(torch.randn(5, 4)).sum().backward()
+    model[0].weight.grad[0, 0] = model[2].bias.grad[0] = float("nan")
+    guard.record(step=6)
+    (report,) = guard.agree(global_step=7).reports
+    assert (report.rank, report.non_finite_steps, report.num_parameters) == (0, 1, 2)
+    assert (report.first_step, report.last_step) == (6, 6)
+
+
 def test_frozen_and_gradless_parameters_are_ignored():
     model = _model()
     model[0].weight.requires_grad_(False)
