@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
@@ -385,6 +388,19 @@ def test_the_squares_of_gradients_no_dot_can_take_are_summed_without_drift(layou
     assert (taken is not None and taken.positions == [0]) == (layout == "channels-last")
 
 
+@contextlib.contextmanager
+def _fp32_matmuls_in_bf16() -> Iterator[None]:
+    """PyTorch allowed to compute CPU fp32 matmuls in bf16 (a property of a torch backend object: set and restored
+    by hand)."""
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
 def test_reduced_fp32_matmul_precision_stays_exact():
     # bf16 matmuls would turn fp32 max into inf: the check must not use them, also with a plan made before the
     # precision changed (the large tensor's probe) and for small tensors read in batches
@@ -392,14 +408,9 @@ def test_reduced_fp32_matmul_precision_stays_exact():
     grads = [torch.full((1 << 20,), largest), *(torch.full((256,), largest) for _ in range(4))]
     planned_before = NonFiniteCheck(large_reader="probe")
     assert not planned_before(grads, cpu).any()
-    matmul = torch.backends.mkldnn.matmul
-    before = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"  # a property of a torch backend object: set and restore by hand
-    try:
+    with _fp32_matmuls_in_bf16():
         assert not planned_before(grads, cpu).any()
         assert not NonFiniteCheck()(grads, cpu).any()
-    finally:
-        matmul.fp32_precision = before
 
 
 def test_many_small_tensors_in_one_chunk_stay_exact_under_reduced_fp32_matmul_precision():
@@ -407,15 +418,10 @@ def test_many_small_tensors_in_one_chunk_stay_exact_under_reduced_fp32_matmul_pr
     # largest value becomes inf) when the precision allows it
     cpu, largest = torch.device("cpu"), torch.finfo(torch.float32).max
     grads = [torch.full((8, 8), largest) for _ in range(512)]
-    matmul = torch.backends.mkldnn.matmul
-    before = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"  # a property of a torch backend object: set and restore by hand
-    try:
+    with _fp32_matmuls_in_bf16():
         assert not NonFiniteCheck()(grads, cpu).any()
         grads[300][7, 7] = float("nan")
         assert NonFiniteCheck()(grads, cpu).tolist() == [i == 300 for i in range(len(grads))]
-    finally:
-        matmul.fp32_precision = before
 
 
 @pytest.mark.parametrize("reader", ["probe", "aminmax"])

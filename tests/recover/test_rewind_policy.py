@@ -221,13 +221,21 @@ def test_two_rewinds_to_the_same_checkpoint_record_each_its_own_discarded_steps(
     callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}",
                                     on_non_finite="rewind")
     trainer = Trainer(max_steps=16, limit_val_batches=0, callbacks=[callback], **QUIET)
-    with pytest.warns(UserWarning, match="Rewound in place"):
+    with pytest.warns(UserWarning, match="Rewound in place") as warned:
         trainer.fit(Regression(bad=9, bad_step=5))
     assert [(r.global_step, r.checkpoint_global_step, r.discarded_steps, r.skipped_batches)
             for r in callback.rewinds] == [(8, 4, (4, 7), (4, 7)), (12, 4, (8, 11), (8, 11))]
     logged = [json.loads(line) for line in (tmp_path / REWIND_LOG_NAME).read_text().splitlines()]
     assert [(line["discarded_steps"], line["skipped_batches"]) for line in logged] == [([4, 7], [4, 7]),
                                                                                       ([8, 11], [8, 11])]
+    # numbered from 1 in the record, the log and the warning
+    assert [r.number for r in callback.rewinds] == [1, 2]
+    assert [line["number"] for line in logged] == [1, 2]
+    said = [str(w.message) for w in warned if "Rewound in place" in str(w.message)]
+    assert len(said) == 2
+    for number, (message, step) in enumerate(zip(said, (8, 12), strict=True), start=1):
+        assert f"Rewound in place (rewind {number} of at most 3 in this fit): rewind {number} at global step {step} " \
+               in message, message
 
 
 class AskToStopAt(Callback):
@@ -381,19 +389,3 @@ def test_a_rewind_whose_checkpoint_was_deleted_is_refused_saying_so(tmp_path):
         trainer.fit(FaultyModel(fault_steps=[3], sanitize=False))
     assert os.listdir(tmp_path) == []
 
-
-def test_rewinds_are_numbered_from_one_in_the_record_the_log_and_the_warning(tmp_path):
-    seed_everything(0)
-    callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}",
-                                    on_non_finite="rewind")
-    trainer = Trainer(max_steps=16, limit_val_batches=0, callbacks=[callback], **QUIET)
-    with pytest.warns(UserWarning, match="Rewound in place") as warned:
-        trainer.fit(Regression(bad=9, bad_step=5))
-    assert [r.number for r in callback.rewinds] == [1, 2]
-    logged = [json.loads(line) for line in (tmp_path / REWIND_LOG_NAME).read_text().splitlines()]
-    assert [line["number"] for line in logged] == [1, 2]
-    said = [str(w.message) for w in warned if "Rewound in place" in str(w.message)]
-    assert len(said) == 2
-    for number, (message, step) in enumerate(zip(said, (8, 12), strict=True), start=1):
-        assert f"Rewound in place (rewind {number} of at most 3 in this fit): rewind {number} at global step {step} " \
-               in message, message
