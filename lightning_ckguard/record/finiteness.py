@@ -278,6 +278,11 @@ class _ExtremesPiece:
         torch.aminmax(piece, out=(self.low, self.high))
 
 
+def _piece_numels(numel: int) -> list[int]:
+    """The sizes of the pieces of :data:`PIECE_NUMEL` elements a large tensor of ``numel`` elements is read in."""
+    return [min(PIECE_NUMEL, numel - start) for start in range(0, numel, PIECE_NUMEL)]
+
+
 class _LargePieces:
     """The large fp32 tensors of a group, read in pieces of :data:`PIECE_NUMEL` elements by one exact reader (the
     probe or ``aminmax``). With ``squares``, a BLAS dot of each piece follows its read and finds it in cache: the
@@ -290,8 +295,7 @@ class _LargePieces:
         self.orders = [_flat_order(values[i]) or () for i in members]
         piece_type = _ProbePiece if reader == "probe" else _ExtremesPiece
         self.reader = reader
-        numels = [[min(PIECE_NUMEL, values[i].numel() - start) for start in range(0, values[i].numel(), PIECE_NUMEL)]
-                  for i in members]
+        numels = [_piece_numels(values[i].numel()) for i in members]
         counts = [[piece_type.outputs_for(n) for n in pieces] for pieces in numels]
         self.outputs = torch.empty(sum(map(sum, counts)), dtype=torch.float32)
         self.dots = dots
@@ -315,7 +319,7 @@ class _LargePieces:
 
     @staticmethod
     def piece_count(members: list[int], values: list[Tensor]) -> int:
-        return sum(-(-values[i].numel() // PIECE_NUMEL) for i in members)
+        return sum(len(_piece_numels(values[i].numel())) for i in members)
 
     def squares_taken(self) -> _SquaresPart:
         """After a read with squares: each piece's sum of squares, and the member each belongs to."""

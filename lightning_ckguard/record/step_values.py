@@ -144,19 +144,20 @@ class StepValues:
 
     def _place(self, step_values: Tensor, step: int, left_out: Tensor | bool | None) -> None:
         slot = self._next_slot(step)
-        if self.steps_per_slot == 1 and isinstance(left_out, Tensor):  # the step or nothing, straight into its slot
-            torch.where(left_out, self._left_out, step_values, out=self._columns[slot])
+        if self.steps_per_slot == 1:  # a slot per step: the step or nothing, written straight into it
+            if isinstance(left_out, Tensor):
+                torch.where(left_out, self._left_out, step_values, out=self._columns[slot])
+            else:
+                self._columns[slot].copy_(self._left_out if left_out else step_values)
             return
         if isinstance(left_out, Tensor):
             step_values = torch.where(left_out, self._left_out, step_values)
         elif left_out:
             step_values = self._left_out
-        if self.steps_per_slot == 1:  # a slot per step: the step as it is
-            self._columns[slot].copy_(step_values)
-        else:  # a folded window: the larger of each value (a NaN wins), the counts added
-            values = self._column_values[slot]
-            torch.maximum(values, step_values[:INVALID], out=values)
-            self._column_counts[slot].add_(step_values[INVALID])
+        # a folded window: the larger of each value (a NaN wins), the counts added
+        values = self._column_values[slot]
+        torch.maximum(values, step_values[:INVALID], out=values)
+        self._column_counts[slot].add_(step_values[INVALID])
 
     def summary(self) -> Tensor:
         """This rank's values as ``ROWS * capacity`` float64 words on the device, to be summed over the ranks; a

@@ -518,6 +518,21 @@ def test_negative_losses_are_kept_as_they_are_in_their_slots_and_folds():
     assert values.summary().view(rows.ROWS, 2)[rows.LOSS].tolist() == [-1.5, -1.75]
 
 
+@pytest.mark.parametrize("left_out", [True, torch.tensor(True)], ids=["bool", "tensor"])
+def test_a_step_left_out_leaves_its_own_slot_without_values(left_out):
+    # a slot per step: a step every rank leaves out (a loss scaler's skip, told as a bool or a device flag) writes
+    # nothing of its loss or squares, and the step before it keeps its own
+    values = StepValues(torch.device("cpu"), capacity=4)
+    finite = torch.tensor(False)
+    for step, skipped in enumerate([False, left_out]):
+        values.add_loss(torch.tensor(3.0))
+        values.record_step(None, torch.tensor(2.0, dtype=torch.float64), finite, step, left_out=skipped)
+    table = values.summary().view(rows.ROWS, 4)
+    assert values.labels == [[0, 0], [1, 1]]
+    assert table[rows.LOSS, :2].tolist() == [3.0, 0.0] and table[rows.LOSS_SEEN, :2].tolist() == [1.0, 0.0]
+    assert table[rows.REPLICATED, :2].tolist() == [2.0, -math.inf]
+
+
 def test_a_step_that_joins_a_folded_slot_keeps_its_negative_loss_and_a_step_without_loss_changes_none():
     values = StepValues(torch.device("cpu"), capacity=2)
     finite = torch.tensor(False)
