@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ckguard.errors import CheckpointWriteError, NonFiniteGradientError
 from lightning_ckguard.publish.ledger import Ledger
+from lightning_ckguard.recover.rewind import REWIND_LOG_NAME
 
 # from `lightning.pytorch`, or from `pytorch_lightning` in a worker run with CKGUARD_TEST_LIGHTNING=pytorch_lightning
 # (tests/lightning_namespace.py): FaultyModel, CountingStrategy and hook_writes then belong to that package's Trainer
@@ -32,6 +33,7 @@ BoringModel = lightning_module("demos.boring_classes").BoringModel
 TorchCheckpointIO = lightning_module("plugins.io").TorchCheckpointIO
 SingleDeviceStrategy = lightning_module("strategies").SingleDeviceStrategy
 Logger = lightning_module("loggers").Logger
+Callback = lightning_module("callbacks").Callback
 
 
 def helpers_for(name: str) -> ModuleType:
@@ -110,6 +112,33 @@ def ledger_state(callback: ModelCheckpoint) -> dict[str, Any]:
     """The callback's whole bookkeeping as plain JSON-able values."""
     ledger = Ledger.capture(callback)
     return {name: _plain(getattr(ledger, name)) for name in ledger.__dataclass_fields__ if name != "last_time_checked"}
+
+
+def rewind_log(dirpath: Any) -> list[dict[str, Any]]:
+    """The lines of the rewind log in ``dirpath`` (``ckguard-rewinds.jsonl``), each parsed as strict JSON: a ``NaN``
+    or an ``Infinity`` in one fails the test, as another JSON reader would refuse it. [] when there is no log."""
+    path = os.path.join(dirpath, REWIND_LOG_NAME)
+    if not os.path.exists(path):
+        return []
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{path} holds {constant}, which is not JSON")
+
+    with open(path) as log:
+        return [json.loads(line, parse_constant=refuse) for line in log]
+
+
+class AtStepEnd(Callback):
+    """Runs ``action(trainer)`` once: at the end of the first batch after which the fit is at optimizer step
+    ``step`` (``trainer.global_step``), before that step's boundary (Lightning runs checkpoint callbacks last)."""
+
+    def __init__(self, step: int, action: Callable[[Any], None]) -> None:
+        self.step, self.action, self.done = step, action, False
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self.step and not self.done:
+            self.done = True
+            self.action(trainer)
 
 
 class RecordingLogger(Logger):

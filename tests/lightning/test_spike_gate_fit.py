@@ -7,7 +7,6 @@ bad batch ends; the loss of an accumulated step is what Lightning counts; the ``
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import warnings
@@ -20,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
-from helpers import QUIET, FailingWrites, FaultyModel, RecordingLogger
+from helpers import QUIET, FailingWrites, FaultyModel, RecordingLogger, rewind_log
 from lightning_ckguard import FiniteGradCheckpoint, GradientGuard, SpikeGate
 from lightning_ckguard.record import step_values as rows
 
@@ -130,12 +129,7 @@ def test_the_rewind_log_stays_strict_json_when_a_spike_is_infinitely_many_deviat
     callback, _, _, _ = fit(tmp_path, data, policy="rewind", max_steps=24, model_class=Frozen)
     (rewind,) = callback.rewinds
     assert {spike.deviations for spike in rewind.spikes} == {float("inf")}
-
-    def refuse(constant: str) -> None:
-        raise AssertionError(f"{constant} is not JSON")
-
-    with open(tmp_path / "checkpoints" / "ckguard-rewinds.jsonl") as f:
-        (line,) = [json.loads(text, parse_constant=refuse) for text in f]
+    (line,) = rewind_log(tmp_path / "checkpoints")  # read as strict JSON
     assert line == rewind.as_dict()
     assert [float(spike["deviations"]) for spike in line["spikes"]] == [float("inf")] * len(rewind.spikes)
 

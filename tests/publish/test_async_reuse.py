@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
-from helpers import QUIET, FailingWrites, FaultyModel, hook_writes, ledger_state, relative_paths
+from helpers import QUIET, AtStepEnd, FailingWrites, FaultyModel, hook_writes, ledger_state, relative_paths
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
 from lightning_ckguard.publish.background import PluginWrites
 from lightning_ckguard.publish.staging import published_path
@@ -217,17 +217,15 @@ def test_a_fit_whose_setup_fails_leaves_the_plugin_as_it_was(tmp_path):
     assert type(plugin._checkpoint_io) is TorchCheckpointIO and "save_checkpoint" not in vars(plugin)
 
 
-class ManualSaveAt(Callback):
-    """A manual ``trainer.save_checkpoint(path)`` at the end of global step ``step``."""
+def _manual_save(path: Any) -> Callable[[Trainer], None]:
+    """A manual ``trainer.save_checkpoint(path)``, waiting for the plugin's thread to have run (and failed) its write
+    before the next boundary."""
 
-    def __init__(self, step: int, path: Any) -> None:
-        self.step, self.path = step, path
+    def save(trainer: Trainer) -> None:
+        trainer.save_checkpoint(path)
+        trainer.strategy.checkpoint_io._executor.submit(lambda: None).result()
 
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-            plugin = trainer.strategy.checkpoint_io
-            plugin._executor.submit(lambda: None).result()  # its write has run (and failed) before the next boundary
+    return save
 
 
 def test_a_boundary_whose_plugin_call_raises_an_earlier_error_is_never_written_at_its_name(tmp_path):
@@ -235,7 +233,7 @@ def test_a_boundary_whose_plugin_call_raises_an_earlier_error_is_never_written_a
     # boundary fails (on every rank), and the checkpoint it had queued must not appear at its name afterwards
     plugin = AsyncCheckpointIO()
     callback = FiniteGradCheckpoint(dirpath=tmp_path / "ckpts", filename="{step}", every_n_train_steps=2)
-    trainer = Trainer(callbacks=[ManualSaveAt(1, tmp_path / "manual.ckpt"), callback], plugins=[plugin],
+    trainer = Trainer(callbacks=[AtStepEnd(1, _manual_save(tmp_path / "manual.ckpt")), callback], plugins=[plugin],
                       max_steps=4, limit_val_batches=0, devices=1, **QUIET)
     with FailingWrites("manual"), pytest.raises(OSError, match="No space left"):
         trainer.fit(FaultyModel())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from functools import partial
 from typing import Any
@@ -18,10 +18,9 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import Callback
 from test_object_storage import EXPECTED_AFTER_RESUME, _resume_scenario
 
-from helpers import QUIET, FaultyModel
+from helpers import QUIET, AtStepEnd, FaultyModel
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.lightning.packages import is_last_name
 from lightning_ckguard.publish.remote import newest_last_checkpoint, removal_allowed
@@ -101,21 +100,19 @@ class FlakyMemoryFileSystem(MemoryFileSystem):
         return super()._open(path, mode, **kwargs)
 
 
-class StorageFailsAt(Callback):
-    """At optimizer step ``step``: the next looks the storage is asked for ``last.ckpt``'s name answer or not as
-    ``looks`` says (``FlakyMemoryFileSystem.looks``), and with ``refuse`` its upload is refused."""
+def _storage_fails(looks: list[bool], refuse: bool) -> Callable[[Trainer], None]:
+    """From now on, the next looks the storage is asked for ``last.ckpt``'s name answer or not as ``looks`` says
+    (``FlakyMemoryFileSystem.looks``), and with ``refuse`` its upload is refused."""
 
-    def __init__(self, step: int, looks: list[bool], refuse: bool) -> None:
-        self.step, self.looks, self.refuse = step, looks, refuse
+    def fail(trainer: Trainer) -> None:
+        FlakyMemoryFileSystem.looks["last.ckpt"] = list(looks)
+        if refuse:
+            FlakyMemoryFileSystem.refused.add("last.ckpt")
 
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            FlakyMemoryFileSystem.looks["last.ckpt"] = list(self.looks)
-            if self.refuse:
-                FlakyMemoryFileSystem.refused.add("last.ckpt")
+    return fail
 
 
-def _flaky_fit(memory_root: str, monkeypatch: Any, failing: StorageFailsAt) -> tuple[Trainer, str]:
+def _flaky_fit(memory_root: str, monkeypatch: Any, failing: AtStepEnd) -> tuple[Trainer, str]:
     """A fit to be run on a ``FlakyMemoryFileSystem`` directory that fails as ``failing`` says: a checkpoint every 2
     steps, the newest kept, and ``last``; and that directory's URL."""
     fsspec.register_implementation("flakymemory", FlakyMemoryFileSystem, clobber=True)
@@ -131,7 +128,7 @@ def _flaky_fit(memory_root: str, monkeypatch: Any, failing: StorageFailsAt) -> t
 def test_a_name_the_storage_cannot_say_exists_is_never_removed_by_a_rollback(memory_root, monkeypatch):
     # at step 4 `last.ckpt` exists (step 2's), but the storage cannot say so, and its upload fails: the boundary rolls
     # back what it created, and must assume `last.ckpt` was there before it, not remove the only `last`
-    trainer, url = _flaky_fit(memory_root, monkeypatch, StorageFailsAt(3, looks=[True, False], refuse=True))
+    trainer, url = _flaky_fit(memory_root, monkeypatch, AtStepEnd(3, _storage_fails(looks=[True, False], refuse=True)))
     with pytest.raises(OSError, match="upload of .*last.ckpt refused"):
         trainer.fit(FaultyModel())
     FlakyMemoryFileSystem.refused.clear()
@@ -143,7 +140,7 @@ def test_a_name_the_storage_cannot_say_exists_is_never_removed_by_a_rollback(mem
 
 def test_a_look_the_storage_cannot_answer_raises_the_storages_own_error_in_one_process(memory_root, monkeypatch):
     # at step 4 ModelCheckpoint's look for `last.ckpt`'s name gets no answer: the error a user sees is the storage's
-    trainer, _ = _flaky_fit(memory_root, monkeypatch, StorageFailsAt(3, looks=[False], refuse=False))
+    trainer, _ = _flaky_fit(memory_root, monkeypatch, AtStepEnd(3, _storage_fails(looks=[False], refuse=False)))
     with pytest.raises(ConnectionError, match="no answer about .*last.ckpt"):
         trainer.fit(FaultyModel())
 

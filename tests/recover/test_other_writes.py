@@ -4,7 +4,6 @@ boundary (two ``FiniteGradCheckpoint`` on one Trainer), and a manual ``trainer.s
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -13,9 +12,8 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from helpers import QUIET, FaultyModel
+from helpers import QUIET, FaultyModel, rewind_log
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError
-from lightning_ckguard.recover.rewind import REWIND_LOG_NAME
 
 
 def _two_guards(tmp_path: Any, policy: str) -> tuple[FiniteGradCheckpoint, FiniteGradCheckpoint]:
@@ -108,8 +106,7 @@ def test_a_rewind_records_the_step_its_checkpoint_was_written_at_after_boundarie
     trainer.fit(model)
     (rewind,) = checkpoint.rewinds
     published_at = torch.load(rewind.checkpoint, weights_only=False)["global_step"]
-    with open(tmp_path / REWIND_LOG_NAME) as log:
-        logged = json.loads(log.readline())
+    (logged,) = rewind_log(tmp_path)
     assert os.path.basename(rewind.checkpoint) == "epoch=0-step=4.ckpt" and published_at == 4
     assert (rewind.checkpoint_global_step, rewind.discarded_steps[0]) == (4, 4)
     assert (logged["checkpoint_global_step"], logged["discarded_steps"][0]) == (4, 4)  # the log says the same

@@ -5,7 +5,6 @@ Trainer-free ``restore_fabric_state``. The 2-process strategies are in ``tests/r
 from __future__ import annotations
 
 import copy
-import json
 import os
 import pickle
 from typing import Any
@@ -17,7 +16,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, EarlyStopping, Timer
 from lightning.pytorch.plugins import MixedPrecision
 
-from helpers import QUIET, FaultyModel
+from helpers import QUIET, AtStepEnd, FaultyModel, rewind_log
 from lightning_ckguard import (
     FiniteGradCheckpoint,
     GradientGuard,
@@ -123,8 +122,7 @@ def test_a_rewind_restores_the_file_and_the_loop_goes_on(tmp_path):
     # 4 updates that survived the first rewind (steps 0, 1, 4, 5), while global_step says 8
     assert [(c["adam_step"], c["scheduler_epoch"]) for c in probe.checks] == [(2.0, 2), (4.0, 4)]
     assert [os.path.basename(r.checkpoint) for r in callback.rewinds] == ["step=2.ckpt", "step=6.ckpt"]
-    with open(tmp_path / REWIND_LOG_NAME) as f:
-        assert [json.loads(line) for line in f] == [r.as_dict() for r in callback.rewinds]
+    assert rewind_log(tmp_path) == [r.as_dict() for r in callback.rewinds]
     assert sorted(os.listdir(tmp_path)) == [REWIND_LOG_NAME, "last.ckpt", "step=12.ckpt", "step=14.ckpt"]
 
 
@@ -225,7 +223,7 @@ def test_two_rewinds_to_the_same_checkpoint_record_each_its_own_discarded_steps(
         trainer.fit(Regression(bad=9, bad_step=5))
     assert [(r.global_step, r.checkpoint_global_step, r.discarded_steps, r.skipped_batches)
             for r in callback.rewinds] == [(8, 4, (4, 7), (4, 7)), (12, 4, (8, 11), (8, 11))]
-    logged = [json.loads(line) for line in (tmp_path / REWIND_LOG_NAME).read_text().splitlines()]
+    logged = rewind_log(tmp_path)
     assert [(line["discarded_steps"], line["skipped_batches"]) for line in logged] == [([4, 7], [4, 7]),
                                                                                       ([8, 11], [8, 11])]
     # numbered from 1 in the record, the log and the warning
@@ -364,26 +362,14 @@ def test_without_a_monitor_a_rewind_goes_back_to_the_steps_own_file_not_to_last(
         trainer.fit(AdamModel(fault_steps=(7,), sanitize=False, lr=0.01))
     (rewind,) = callback.rewinds
     assert (rewind.global_step, os.path.basename(rewind.checkpoint)) == (10, "epoch=0-step=5.ckpt")
-    with open(tmp_path / REWIND_LOG_NAME) as f:
-        assert [json.loads(line)["checkpoint"] for line in f] == [rewind.checkpoint]
-
-
-class DeletesAt(Callback):
-    """Deletes ``path`` at the end of optimizer step ``step``, as a user cleaning up by hand might."""
-
-    def __init__(self, path: Any, step: int) -> None:
-        self.path, self.step = path, step
-
-    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            os.remove(self.path)
+    assert [line["checkpoint"] for line in rewind_log(tmp_path)] == [rewind.checkpoint]
 
 
 def test_a_rewind_whose_checkpoint_was_deleted_is_refused_saying_so(tmp_path):
     callback = FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}",
                                     on_non_finite="rewind")
     seed_everything(0)
-    trainer = Trainer(max_steps=6, callbacks=[DeletesAt(tmp_path / "step=2.ckpt", 3), callback],
+    trainer = Trainer(max_steps=6, callbacks=[AtStepEnd(3, lambda _: os.remove(tmp_path / "step=2.ckpt")), callback],
                       limit_val_batches=0, **QUIET)
     with pytest.raises(RewindRefusedError, match=r"step=2.ckpt, no longer exists"):
         trainer.fit(FaultyModel(fault_steps=[3], sanitize=False))

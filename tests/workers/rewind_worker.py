@@ -26,7 +26,6 @@ scheduler state (and their step counts) must come back. Every rank runs every sc
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -49,6 +48,7 @@ from helpers import (  # noqa: E402
     deepspeed_unavailable_reported,
     fit_outcome,
     ledger_state,
+    rewind_log,
     run_scenarios,
 )
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
@@ -205,8 +205,7 @@ def run(root: str, name: str, kind: str, fault_steps: tuple[int, ...], max_steps
         result["entries"] = entries
         result["finite"] = {e: checkpoint_loads_finite(os.path.join(dirpath, e)) for e in entries
                             if e != REWIND_LOG_NAME}
-        log = os.path.join(dirpath, REWIND_LOG_NAME)
-        result["rewind_log"] = ([json.loads(line) for line in open(log)] if os.path.exists(log) else [])
+        result["rewind_log"] = rewind_log(dirpath)
     return result
 
 
