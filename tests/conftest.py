@@ -230,3 +230,16 @@ def s3() -> Any:
             yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(params=[True, False], ids=["exchange", "two-renames"])
+def exchange(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Directories replace one another by ``renameat2(RENAME_EXCHANGE)`` (skipped where ``tmp_path``'s filesystem
+    has none), or, as on NFS and off Linux, by two renames: the test runs once each way."""
+    import lightning_ckguard.publish.staging as staging_module
+
+    if not request.param:
+        monkeypatch.setattr(staging_module, "supports_exchange", lambda directory: False)
+    elif not staging_module.supports_exchange(str(tmp_path)):
+        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE)")
+    return request.param

@@ -333,7 +333,8 @@ def reducing_with_peers(monkeypatch: Any, *calls: Sequence[Sequence[int]]) -> li
 
 class DirectoryCheckpointStrategy(SingleDeviceStrategy):
     """A real single-device strategy that writes each checkpoint as a directory (as DeepSpeed and FSDP2 do), so
-    directory publication runs in one process."""
+    directory publication runs in one process. A write whose path contains :attr:`fail_on` (which a test may change
+    on the way) fails like a full disk, its directory made and left empty."""
 
     _save_distributed_checkpoint = True  # what marks Lightning's FSDP2 strategy as writing directories
 
@@ -341,6 +342,7 @@ class DirectoryCheckpointStrategy(SingleDeviceStrategy):
         super().__init__(device=torch.device("cpu"))
         # each write's path, and the hidden entries beside it as the write began
         self.writes: list[tuple[str, list[str]]] = []
+        self.fail_on: str | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.is_global_zero:
@@ -348,6 +350,8 @@ class DirectoryCheckpointStrategy(SingleDeviceStrategy):
             names = os.listdir(parent) if os.path.isdir(parent) else []
             self.writes.append((str(filepath), sorted(n for n in names if n.startswith("."))))
             os.makedirs(filepath, exist_ok=True)  # into an existing one, as DeepSpeed does
+            if self.fail_on is not None and self.fail_on in os.path.basename(str(filepath)):
+                raise OSError(28, "No space left on device", str(filepath))
             torch.save(checkpoint, os.path.join(filepath, "state.pt"))
 
 
@@ -435,10 +439,10 @@ def refuse_moves_to(name: str) -> Callable[[], None]:
 
     move = writers.move_into_place
 
-    def refusing(staging: str, filepath: str) -> None:
+    def refusing(staging: str, filepath: str, keep_retired: bool = False) -> bool:
         if os.path.basename(filepath).startswith(name):
             raise OSError(30, "Read-only file system (injected)", filepath)
-        move(staging, filepath)
+        return move(staging, filepath, keep_retired)
 
     writers.move_into_place = refusing  # type: ignore[assignment]
     return lambda: setattr(writers, "move_into_place", move)

@@ -12,7 +12,8 @@ How the move replaces what is there (:func:`move_into_place`):
 
 - a file or a link: one ``os.replace``, so the name is never absent; the staged writer first gives the file it
   replaces a second name (:func:`keep_previous_file`, a hard link) until the boundary ends, so that a later write of
-  the same boundary that fails can put it back (:func:`restore_previous`);
+  the same boundary that fails can put it back (:func:`restore_previous`; a replaced directory is put back from its
+  retired copy, below);
 - a directory, on Linux where the checkpoint's own filesystem supports ``renameat2(RENAME_EXCHANGE)`` (ext4, xfs,
   btrfs, tmpfs; probed once per filesystem): the new and the old directory swap names in one step, so the name is
   never absent either; the old one is then renamed to a retired name;
@@ -22,7 +23,8 @@ How the move replaces what is there (:func:`move_into_place`):
 A retired directory is kept until the name is written again (:func:`release_retired`, before the next write into its
 staging sibling) or the fit ends (:func:`release_all_retired`), not removed right after the swap: a reader resolves a
 path one component at a time, and one that entered the old directory just before the swap would otherwise find its
-files being deleted under it (an empty listing, a file that vanished), though the name itself was never absent.
+files being deleted under it (an empty listing, a file that vanished), though the name itself was never absent. A
+boundary that fails after it replaced a directory puts the retired copy back under its name (:func:`restore_previous`).
 
 A crash leaves at worst a staging entry (a checkpoint never published, or the old one an exchange just replaced), or
 a retired copy of the checkpoint being replaced; both are resolved by :func:`recover` when training starts again
@@ -39,6 +41,7 @@ import shutil
 import sys
 import zipfile
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -179,31 +182,61 @@ def _is_directory(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path)
 
 
-def move_into_place(staging: str, filepath: str) -> None:
-    """Publish ``staging`` as ``filepath``, replacing an existing checkpoint of that name (rank 0 only).
+def move_into_place(staging: str, filepath: str, keep_retired: bool = False) -> bool:
+    """Publish ``staging`` as ``filepath``, replacing an existing checkpoint of that name (rank 0 only). Returns
+    whether the replaced checkpoint was retired (a directory on either side): kept under its retired name.
 
     A file or link replaces a file or link by one ``os.replace``: ``filepath`` is never absent. Where a directory is
     involved, its entries swap names in one step where the filesystem supports it (:func:`supports_exchange`);
     elsewhere the old checkpoint is renamed aside first, so at every instant ``filepath`` is either the old complete
     checkpoint, absent (with the old one recoverable), or the new one. Either way the old directory is kept under its
-    retired name until :func:`release_retired` or :func:`release_all_retired`. A file never replaces a directory (a
-    link does, as ``ModelCheckpoint``'s replaces one): that raises ``IsADirectoryError`` with both left as they are.
+    retired name until :func:`release_retired` or :func:`release_all_retired`, and a move that fails half-way puts
+    the old one back under its name (``staging`` then still holds the new one). With ``keep_retired`` (the name was
+    replaced earlier in the same boundary, and its retired copy is what a failure of the boundary puts back:
+    :func:`restore_previous`), that copy is left alone and the entry at the name, the boundary's own earlier write,
+    is removed instead (without an exchange, before the move: the name is absent meanwhile, and a crash then leaves
+    the retired copy, which :func:`recover` restores). A file never replaces a directory (a link does, as
+    ``ModelCheckpoint``'s replaces one): that raises ``IsADirectoryError`` with both left as they are.
     """
     if not os.path.lexists(filepath) or not (_is_directory(staging) or _is_directory(filepath)):
         os.replace(staging, filepath)
-        return
+        return False
     if not (_is_directory(staging) or os.path.islink(staging)):  # a file never replaces a directory: none wrote it
         raise IsADirectoryError(errno.EISDIR, "A checkpoint file would replace this directory, which holds no "
                                 "checkpoint of this fit: it is left as it is, remove or rename it", filepath)
+    exchange = supports_exchange(os.path.dirname(os.path.abspath(filepath)))
+    if keep_retired:
+        if exchange:
+            _exchange(staging, filepath)  # the boundary's earlier write is now under the staging name
+            _remove(staging)
+        else:
+            _remove(filepath)
+            os.replace(staging, filepath)
+        return False
     retired = _retired_path(filepath)
     _remove(retired)  # normally released already, before this write began
-    if supports_exchange(os.path.dirname(os.path.abspath(filepath))):
-        _exchange(staging, filepath)  # the new checkpoint is published; the old one is under the staging name
-        os.replace(staging, retired)
-    else:
-        os.replace(filepath, retired)
-        os.replace(staging, filepath)
+    _swap_aside(staging, filepath, retired, exchange)
     # the old directory stays, retired, for readers already inside it (module docstring)
+    return True
+
+
+def _swap_aside(new: str, filepath: str, aside: str, exchange: bool) -> None:
+    """Put ``new`` at ``filepath`` and what was there at ``aside`` (which must not exist), by an exchange where the
+    filesystem has one, else by two renames; a failure of the second step undoes the first, so that ``filepath``
+    holds what it held and ``new`` is where it was."""
+    if exchange:
+        _exchange(new, filepath)  # ``new`` published; the old entry is under ``new``'s name
+        undo = partial(_exchange, new, filepath)
+        second = partial(os.replace, new, aside)
+    else:
+        os.replace(filepath, aside)
+        undo = partial(os.replace, aside, filepath)
+        second = partial(os.replace, new, filepath)
+    try:
+        second()
+    except BaseException:
+        undo()
+        raise
 
 
 def keep_previous_file(filepath: str) -> bool:
@@ -223,14 +256,23 @@ def keep_previous_file(filepath: str) -> bool:
 
 
 def restore_previous(filepath: str) -> None:
-    """Put back what :func:`keep_previous_file` kept of ``filepath``, in one ``os.replace`` (rank 0 only). Where
-    ``filepath`` still is that file (its replacement failed), the retired name is only removed: a rename between two
-    names of one file does nothing (POSIX), and would leave the retired name behind."""
+    """Put back what :func:`keep_previous_file` or a :func:`move_into_place` that retired it kept of ``filepath``
+    (rank 0 only): a file or link in one ``os.replace``; where a directory is on either side, the two swap names (an
+    exchange where the filesystem has one, else two renames by way of the staging name) and the failed boundary's
+    entry is removed. Where ``filepath`` still is that file (its replacement failed), the retired name is only
+    removed: a rename between two names of one file does nothing (POSIX), and would leave the retired name behind."""
     retired = _retired_path(filepath)
     if _same_entry(retired, filepath):
         os.remove(retired)
         return
-    os.replace(retired, filepath)
+    os.lstat(retired)  # nothing kept (removed by someone else): FileNotFoundError, and the name is left as it is
+    if not os.path.lexists(filepath) or not (_is_directory(retired) or _is_directory(filepath)):
+        os.replace(retired, filepath)
+        return
+    aside = staging_path(filepath)
+    _remove(aside)  # a failed write's staging entry is discarded already; nothing else uses this name now
+    _swap_aside(retired, filepath, aside, supports_exchange(os.path.dirname(os.path.abspath(filepath))))
+    _remove(aside)
 
 
 def _same_entry(first: str, second: str) -> bool:

@@ -197,20 +197,25 @@ class StagedWriter(_HoldsFailures):
         super().__init__(collective)
         self._storage, self._durability = storage, durability
         self._created: list[str] = []  # the names this boundary put in place anew (rank 0)
-        # the names whose previous file or link this boundary replaced and keeps until it is published (rank 0)
+        # the names whose previous checkpoint this boundary replaced and keeps to put back (rank 0): a file or link
+        # until the boundary is published, a directory (retired) until its name's next write, for readers inside it
         self._replaced: list[str] = []
+        self._retired_directories: set[str] = set()  # those of them kept as a retired directory
         # a file is written by rank 0 alone; a directory by every rank, each flushing what it sees once its part is in
         # (and the directories it made on the way: each rank notes what exists before its own write)
         self._writes_alone = not writes_directories(collective) and not is_rank_zero(collective)
 
     def open(self, before: Ledger | None) -> None:
         super().open(before)
-        self._created, self._replaced = [], []
+        self._created, self._replaced, self._retired_directories = [], [], set()
 
     def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
         # a failed later write puts back what an earlier one replaced: the disk is the rolled-back ledger's again
         replaced, self._replaced = self._replaced, []
-        (self._release_previous if published else self._put_back)(replaced)
+        if published:
+            self._release_previous([path for path in replaced if path not in self._retired_directories])
+        else:
+            self._put_back(replaced)
         super().close(published, created, remove)
 
     def save(self, filepath: str, write: Write) -> None:
@@ -281,11 +286,16 @@ class StagedWriter(_HoldsFailures):
         self._move_into_place(staging, filepath)
 
     def _move_into_place(self, staging: str, filepath: str) -> None:
-        """The rename, then the flush of the directory that holds the name: before any eviction in it. A file or
-        link it replaces is kept (a hard link) until the boundary is published, once per name."""
-        if filepath not in self._replaced and keep_previous_file(filepath):
+        """The rename, then the flush of the directory that holds the name: before any eviction in it. What it
+        replaces is kept to be put back, once per name: a file or link by a hard link, until the boundary is
+        published; a directory by the move itself, retired."""
+        first = filepath not in self._replaced
+        if first and keep_previous_file(filepath):
             self._replaced.append(filepath)
-        move_into_place(staging, filepath)
+        if move_into_place(staging, filepath, keep_retired=not first) and first:
+            if filepath not in self._replaced:  # a file replaced by a directory is retired, not linked
+                self._replaced.append(filepath)
+            self._retired_directories.add(filepath)
         self._durability.flush_entries(os.path.dirname(filepath))
 
     def _put_back(self, replaced: Sequence[str]) -> None:

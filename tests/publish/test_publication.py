@@ -11,7 +11,16 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import QUIET, FailingWrites, FaultyModel, hook_writes, ledger_state, refuse_moves_to, tree_digest
+from helpers import (
+    QUIET,
+    DirectoryCheckpointStrategy,
+    FailingWrites,
+    FaultyModel,
+    hook_writes,
+    ledger_state,
+    refuse_moves_to,
+    tree_digest,
+)
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.publish.ledger import Ledger
 
@@ -82,6 +91,59 @@ def test_a_name_an_earlier_write_of_a_failed_boundary_replaced_is_put_back(save_
     assert tree_digest(str(tmp_path)) == before["tree"], "best.ckpt is not epoch 0's again"
     assert torch.load(tmp_path / "best.ckpt", weights_only=False)["global_step"] == 2
     assert sorted(os.listdir(tmp_path)) == ["best.ckpt", "last.ckpt"]
+
+
+def _directory_fit(tmp_path, fail_in_epoch_1: str, **kwargs) -> tuple[FiniteGradCheckpoint, FaultyModel]:
+    """A fit whose checkpoints are directories (as DeepSpeed's and FSDP2's are); in epoch 1 the write of the name
+    containing ``fail_in_epoch_1`` fails like a full disk. Returns the callback and the model (its snapshot at step
+    3 is the directory and the ledger before epoch 1's boundary)."""
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True, **kwargs)
+    model = FaultyModel(val_losses=[3.0, 2.0, 1.0], snapshot_steps=[3])
+    strategy = DirectoryCheckpointStrategy()
+    seed_everything(0)
+    trainer = Trainer(strategy=strategy, callbacks=[callback], **QUIET, **EPOCHS)
+    model.on_train_epoch_start = lambda: setattr(  # type: ignore[method-assign]
+        strategy, "fail_on", fail_in_epoch_1 if trainer.current_epoch == 1 else None)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.fit(model)
+    return callback, model
+
+
+def test_a_directory_an_earlier_write_of_a_failed_boundary_replaced_is_put_back(exchange, tmp_path):
+    """``best.ckpt``, a directory, is replaced by epoch 1's better checkpoint; then epoch 1's ``last`` fails: the
+    directory holds epoch 0's checkpoint again, as the rolled-back ledger says, and no hidden entry is left."""
+    callback, model = _directory_fit(tmp_path, "last", filename="best")
+    before = model.snapshots[3]
+    assert ledger_state(callback) == before["state"]
+    assert tree_digest(str(tmp_path)) == before["tree"], "best.ckpt is not epoch 0's directory again"
+    assert torch.load(tmp_path / "best.ckpt" / "state.pt", weights_only=False)["global_step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["best.ckpt", "last.ckpt"]
+
+
+def test_a_directory_written_twice_in_a_failed_boundary_holds_its_first_content_again(exchange, tmp_path):
+    """``filename="last"`` with ``save_last``: each boundary writes the directory ``last.ckpt`` twice (its top-1
+    checkpoint, then its `last`). Epoch 1's first write replaces epoch 0's, the second fails: ``last.ckpt`` is epoch
+    0's again, not epoch 1's first write."""
+    writes: list[int] = []
+    original = DirectoryCheckpointStrategy.save_checkpoint
+
+    def second_write_of_epoch_1_fails(strategy, checkpoint, filepath, storage_options=None) -> None:
+        writes.append(checkpoint["epoch"])
+        strategy.fail_on = "last" if writes.count(1) == 2 else None
+        original(strategy, checkpoint, filepath, storage_options)
+
+    DirectoryCheckpointStrategy.save_checkpoint = second_write_of_epoch_1_fails  # type: ignore[method-assign]
+    try:
+        callback, model = _directory_fit(tmp_path, "never", filename="last", enable_version_counter=False)
+    finally:
+        DirectoryCheckpointStrategy.save_checkpoint = original  # type: ignore[method-assign]
+    assert writes == [0, 0, 1, 1]
+    before = model.snapshots[3]
+    assert ledger_state(callback) == before["state"]
+    # before, epoch 0's first write was kept retired beside it, for readers; epoch 1's first write released it
+    published = {path: entry for path, entry in before["tree"].items() if not path.startswith(".")}
+    assert tree_digest(str(tmp_path)) == published, "last.ckpt is not epoch 0's directory again"
+    assert torch.load(tmp_path / "last.ckpt" / "state.pt", weights_only=False)["epoch"] == 0
 
 
 def test_a_name_written_twice_in_a_failed_boundary_holds_its_first_content_again(tmp_path):

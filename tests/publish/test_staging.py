@@ -65,20 +65,10 @@ def test_the_end_of_a_fit_keeps_a_retired_copy_whose_replacement_never_arrived(t
     assert _content(tmp_path / "last.ckpt") == {"good last"}
 
 
-def _use_exchange(exchange: bool, tmp_path, monkeypatch) -> None:
-    """Replace directories by the exchange (skipped where this filesystem has none), or by the two renames."""
-    if not exchange:
-        monkeypatch.setattr(staging_module, "supports_exchange", lambda directory: False)
-    elif not staging_module.supports_exchange(str(tmp_path)):
-        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE)")
-
-
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 def test_a_reader_inside_the_old_directory_when_it_is_replaced_still_finds_all_of_it(tmp_path, monkeypatch, exchange):
     """A reader resolves ``last.ckpt/checkpoint/shard`` one component at a time: one that entered the old directory
     just before the swap goes on reading there. Removing the old directory right after the swap left it an empty
     listing (CI: a ZeRO-2 reader's failed load); it is kept until the name is written again."""
-    _use_exchange(exchange, tmp_path, monkeypatch)
     final = str(tmp_path / "last.ckpt")
     _checkpoint_dir(final, "old")
     inside = os.open(final, os.O_RDONLY | os.O_DIRECTORY)  # where a reader's lookup stands, mid-path
@@ -183,11 +173,9 @@ RENAMES = {
 }
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 def test_a_directory_is_swapped_in_one_exchange_where_the_filesystem_supports_it_else_by_two_renames(
     tmp_path, monkeypatch, exchange
 ):
-    _use_exchange(exchange, tmp_path, monkeypatch)
     final = str(tmp_path / "last.ckpt")
     _checkpoint_dir(final, "old")
     staging = staging_path(final)
@@ -458,7 +446,7 @@ def test_a_refused_move_over_a_published_file_puts_it_back_and_leaves_no_retired
     publisher = CheckpointPublisher(None, tmp_path)
     publisher.save("a.pt", {"value": torch.tensor(1.0)})
 
-    def refused(staging: str, filepath: str) -> None:
+    def refused(staging: str, filepath: str, keep_retired: bool = False) -> bool:
         raise PermissionError(13, "Permission denied (injected)", filepath)
 
     monkeypatch.setattr(writers, "move_into_place", refused)
@@ -502,3 +490,60 @@ def test_a_recovery_that_fails_at_setup_raises_before_training(tmp_path, monkeyp
         Trainer(callbacks=[FiniteGradCheckpoint(dirpath=tmp_path, every_n_train_steps=2)], max_steps=4,
                 limit_val_batches=0, **QUIET).fit(model)
     assert model.global_step == 0 and os.listdir(tmp_path) == []
+
+
+def _write_directory(content: str):
+    """A write for ``StagedWriter.save`` (a strategy's save) that makes a checkpoint directory holding ``content``."""
+    return lambda staging, flush: _checkpoint_dir(staging, content)
+
+
+@pytest.mark.parametrize("published", [True, False], ids=["published", "failed"])
+def test_a_directory_written_twice_in_one_boundary_keeps_the_one_before_the_boundary_to_put_back(
+    tmp_path, exchange, published
+):
+    """The second write of a directory name in one boundary replaces the first write, not the retired copy of the
+    checkpoint before the boundary: a failed boundary puts that one back, with no hidden entry left; a published one
+    keeps it retired for readers inside it (until the name is written again), and the first write is gone."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from lightning_ckguard.publish.durability import durability
+    from lightning_ckguard.publish.storage import LocalStorage
+    from lightning_ckguard.publish.writers import StagedWriter
+
+    final = str(tmp_path / "last.ckpt")
+    _checkpoint_dir(final, "before")
+    writer = StagedWriter(None, LocalStorage(LocalFileSystem()), durability(False))
+    writer.open(None)
+    writer.save(final, _write_directory("first"))
+    writer.save(final, _write_directory("second"))
+    writer.close(published, (), lambda path: None)
+    retired = ".last.ckpt.ckguard-retired"
+    if published:
+        assert sorted(os.listdir(tmp_path)) == [retired, "last.ckpt"]
+        assert (_content(final), _content(tmp_path / retired)) == ({"second"}, {"before"})
+    else:
+        assert os.listdir(tmp_path) == ["last.ckpt"]
+        assert _content(final) == {"before"}
+
+
+def test_a_directory_move_that_fails_half_way_leaves_the_old_checkpoint_at_its_name(tmp_path, monkeypatch, exchange):
+    """The move's second step fails (with an exchange, the rename of the old directory from the staging name to the
+    retired one; without, the rename of the new one in after the old one was renamed aside): the first is undone,
+    so the old checkpoint is under its name again, and the new one stays staged (the caller discards it)."""
+    final = str(tmp_path / "last.ckpt")
+    _checkpoint_dir(final, "old")
+    staging = staging_path(final)
+    _checkpoint_dir(staging, "new")
+    replace = os.replace
+
+    def refuse_the_move_in(src, dst, *args, **kwargs):
+        if src == staging:
+            raise OSError(5, "Input/output error (injected)", src)
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", refuse_the_move_in)
+    with pytest.raises(OSError, match="injected"):
+        move_into_place(staging, final)
+    monkeypatch.setattr(os, "replace", replace)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(staging), "last.ckpt"]
+    assert (_content(final), _content(staging)) == ({"old"}, {"new"})
