@@ -435,17 +435,17 @@ class FailingWrites:
 def refuse_moves_to(name: str) -> Callable[[], None]:
     """From now on, rank 0's rename of a staging entry onto a checkpoint whose file name starts with ``name`` fails (a
     read-only directory entry, say), after the boundary's last collective. Returns what undoes it."""
-    import lightning_ckguard.publish.writers as writers
+    import lightning_ckguard.publish.staging as staging
 
-    move = writers.move_into_place
+    move = staging.move_into_place
 
     def refusing(staging: str, filepath: str, keep_retired: bool = False) -> bool:
         if os.path.basename(filepath).startswith(name):
             raise OSError(30, "Read-only file system (injected)", filepath)
         return move(staging, filepath, keep_retired)
 
-    writers.move_into_place = refusing  # type: ignore[assignment]
-    return lambda: setattr(writers, "move_into_place", move)
+    staging.move_into_place = refusing  # type: ignore[assignment]
+    return lambda: setattr(staging, "move_into_place", move)
 
 
 def refuse_flushes_of_staging(name: str, directories_only: bool = False) -> Callable[[], None]:

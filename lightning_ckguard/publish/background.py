@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,7 +37,15 @@ from lightning_ckguard._distributed import NO_VALUE, failure_words, failures_fro
 from lightning_ckguard.publish.durability import Durability
 from lightning_ckguard.publish.ledger import Ledger
 from lightning_ckguard.publish.seal import write_error
-from lightning_ckguard.publish.staging import discard, make_link, move_into_place, published_path, staging_path
+from lightning_ckguard.publish.staging import (
+    Replacements,
+    discard,
+    make_link,
+    published_path,
+    release_retired,
+    restore_previous,
+    staging_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,8 @@ class PublicationUnit:
     writes: list[_Operation] = field(default_factory=list)
     publications: list[_Operation] = field(default_factory=list)
     evictions: list[_Operation] = field(default_factory=list)
+    #: what its moves into place replaced, kept until it is published, and put back should it fail
+    replaced: Replacements = field(default_factory=Replacements)
 
     def write(self, staging: str, save: Callable[[], None]) -> None:
         """Write a checkpoint into ``staging`` (``save`` does it, from a snapshot taken on the training thread), then
@@ -101,8 +111,22 @@ class PublicationUnit:
         self.publications.append(_Operation("publish", linkpath, link_and_move, staging))
 
     def _move_into_place(self, staging: str, filepath: str) -> None:
-        move_into_place(staging, filepath)
+        self.replaced.move_into_place(staging, filepath)
         self.durability.flush_entries(os.path.dirname(filepath))
+
+    def put_back(self) -> None:
+        """The unit failed: what its moves replaced goes back under its names, newest first."""
+        each_warning_on_failure(self.replaced.to_put_back(), self._restore_previous, "Could not put back the "
+                                "checkpoint %s after a failed background checkpoint write: %s")
+
+    def _restore_previous(self, path: str) -> None:
+        restore_previous(path)
+        self.durability.flush_entries(os.path.dirname(path))
+
+    def release_kept(self) -> None:
+        """The unit is published: the files it kept to put back go."""
+        each_warning_on_failure(self.replaced.to_release(), release_retired,
+                                "Could not remove the replaced copy of %s: %s")
 
     def evict(self, path: str, remove: Callable[[str], None]) -> None:
         """Remove ``path`` (with ``remove``) once the unit has published everything; never a name the unit itself
@@ -399,10 +423,12 @@ class BackgroundPublisher:
                 operation.run()
         except BaseException as error:
             self._undo(unit, created)
+            unit.put_back()
             assert operation is not None
             with self._lock:
                 self._failure = _Failure(error, operation.path, unit.sequence)
             return
+        unit.release_kept()
         eviction: _Operation | None = None
         try:
             for eviction in unit.evictions:
@@ -419,11 +445,9 @@ class BackgroundPublisher:
     @staticmethod
     def _undo(unit: PublicationUnit, created: list[str]) -> None:
         """Remove what a failed unit put down: its staging entries, and the names it published anew."""
-        for path in [*(op.staging for op in (*unit.writes, *unit.publications) if op.staging), *reversed(created)]:
-            try:
-                discard(path)
-            except Exception as cleanup_error:  # the write's own error is the one to surface
-                log.warning("Could not remove %s after a failed background checkpoint write: %s", path, cleanup_error)
+        each_warning_on_failure([*(op.staging for op in (*unit.writes, *unit.publications) if op.staging),
+                                 *reversed(created)], discard,
+                                "Could not remove %s after a failed background checkpoint write: %s")
 
     def wait(self) -> None:
         """Block until every submitted unit has run (the end of training)."""
@@ -489,4 +513,15 @@ class BackgroundPublisher:
             self._executor = None
 
 
-__all__ = ["WriteFailure", "BackgroundPublisher", "PluginWrites", "PublicationUnit"]
+def each_warning_on_failure(paths: Iterable[str], act: Callable[[str], None], message: str,
+                            logger: logging.Logger = log) -> None:
+    """``act`` on each of ``paths`` (a snapshot of them); a failure is logged to ``logger`` as ``message % (path,
+    error)`` and the next path goes on: these are clean-ups, and the boundary's own outcome is the one to surface."""
+    for path in list(paths):
+        try:
+            act(path)
+        except Exception as error:
+            logger.warning(message, path, error)
+
+
+__all__ = ["WriteFailure", "BackgroundPublisher", "PluginWrites", "PublicationUnit", "each_warning_on_failure"]

@@ -275,6 +275,46 @@ def restore_previous(filepath: str) -> None:
     _remove(aside)
 
 
+class Replacements:
+    """The checkpoints one boundary's moves into place replace (rank 0), kept so that a failure later in the same
+    boundary can put them back (:func:`restore_previous`): a file or link under a second name
+    (:func:`keep_previous_file`, a hard link), a directory as the retired copy its move keeps anyway. Only a name's
+    first move in the boundary keeps anything, and only where the name existed before it: a later move of the same
+    name (``filename="last"`` with ``save_last``) replaces the boundary's own earlier write, and a name the boundary
+    created has nothing to put back. One per boundary."""
+
+    def __init__(self) -> None:
+        self._moved: set[str] = set()
+        self._kept: list[str] = []  # in the order first replaced
+        self._retired_directories: set[str] = set()
+
+    def moved(self, filepath: str) -> bool:
+        """Whether this boundary moved a checkpoint to ``filepath`` already (so what it keeps of the name stays)."""
+        return filepath in self._moved
+
+    def move_into_place(self, staging: str, filepath: str) -> None:
+        """:func:`move_into_place`, keeping what the name held before the boundary, on its first move only."""
+        first = filepath not in self._moved
+        self._moved.add(filepath)
+        if first and keep_previous_file(filepath):
+            self._kept.append(filepath)
+        if move_into_place(staging, filepath, keep_retired=not first) and first:
+            if filepath not in self._kept:  # a file replaced by a directory is retired, not linked
+                self._kept.append(filepath)
+            self._retired_directories.add(filepath)
+
+    def to_put_back(self) -> list[str]:
+        """The boundary failed: the names whose kept checkpoint goes back, newest first; forgets them."""
+        kept, self._kept = self._kept, []
+        return kept[::-1]
+
+    def to_release(self) -> list[str]:
+        """The boundary was published: the names whose kept file can go now (a retired directory stays for readers
+        inside it, until its name's next write or the fit's end); forgets them."""
+        kept, self._kept = self._kept, []
+        return [path for path in kept if path not in self._retired_directories]
+
+
 def _same_entry(first: str, second: str) -> bool:
     """Whether ``first`` and ``second`` are two names of one file or link (links not followed)."""
     try:
@@ -392,6 +432,7 @@ def recover(dirpath: str, subdirectories: bool = True) -> list[str]:
 
 
 __all__ = [
+    "Replacements",
     "checkpoint_is_complete",
     "discard",
     "is_local",

@@ -28,14 +28,19 @@ from functools import partial
 from typing import Any, Protocol
 
 from lightning_ckguard._distributed import barrier, failure_words, failures_from, is_rank_zero, reduce_ints
-from lightning_ckguard.publish.background import BackgroundPublisher, PluginWrites, PublicationUnit, WriteFailure
+from lightning_ckguard.publish.background import (
+    BackgroundPublisher,
+    PluginWrites,
+    PublicationUnit,
+    WriteFailure,
+    each_warning_on_failure,
+)
 from lightning_ckguard.publish.durability import Durability
 from lightning_ckguard.publish.ledger import Ledger
 from lightning_ckguard.publish.seal import write_error
 from lightning_ckguard.publish.staging import (
+    Replacements,
     discard,
-    keep_previous_file,
-    move_into_place,
     restore_previous,
     staging_path,
     writes_directories,
@@ -197,25 +202,21 @@ class StagedWriter(_HoldsFailures):
         super().__init__(collective)
         self._storage, self._durability = storage, durability
         self._created: list[str] = []  # the names this boundary put in place anew (rank 0)
-        # the names whose previous checkpoint this boundary replaced and keeps to put back (rank 0): a file or link
-        # until the boundary is published, a directory (retired) until its name's next write, for readers inside it
-        self._replaced: list[str] = []
-        self._retired_directories: set[str] = set()  # those of them kept as a retired directory
+        self._replaced = Replacements()  # what this boundary's moves replaced, kept to put back (rank 0)
         # a file is written by rank 0 alone; a directory by every rank, each flushing what it sees once its part is in
         # (and the directories it made on the way: each rank notes what exists before its own write)
         self._writes_alone = not writes_directories(collective) and not is_rank_zero(collective)
 
     def open(self, before: Ledger | None) -> None:
         super().open(before)
-        self._created, self._replaced, self._retired_directories = [], [], set()
+        self._created, self._replaced = [], Replacements()
 
     def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
         # a failed later write puts back what an earlier one replaced: the disk is the rolled-back ledger's again
-        replaced, self._replaced = self._replaced, []
         if published:
-            self._release_previous([path for path in replaced if path not in self._retired_directories])
+            self._release_previous(self._replaced.to_release())
         else:
-            self._put_back(replaced)
+            self._put_back(self._replaced.to_put_back())
         super().close(published, created, remove)
 
     def save(self, filepath: str, write: Write) -> None:
@@ -223,7 +224,7 @@ class StagedWriter(_HoldsFailures):
         rank_zero = is_rank_zero(self._collective)
         # at most two copies of a name at a time; but the copy this boundary keeps to put back stays (a name written
         # twice in one boundary: `filename="last"` with `save_last`)
-        if rank_zero and self._held is None and filepath not in self._replaced:
+        if rank_zero and self._held is None and not self._replaced.moved(filepath):
             # a failure (a reader's file held open inside it, on NFS) is held like a failed move: this boundary is
             # not put in place, and every rank raises at the next agreement, not rank 0 alone here
             self._hold_unpublishing(partial(self._storage.release_retired, filepath), filepath)
@@ -275,8 +276,7 @@ class StagedWriter(_HoldsFailures):
         if self._hold_failure_of(act, path, unpublished=True):
             return True
         _remove_all(self._created, discard)
-        replaced, self._replaced = self._replaced, []
-        self._put_back(replaced)
+        self._put_back(self._replaced.to_put_back())
         return False
 
     def _flush_and_move_into_place(self, staging: str, filepath: str) -> None:
@@ -287,20 +287,13 @@ class StagedWriter(_HoldsFailures):
 
     def _move_into_place(self, staging: str, filepath: str) -> None:
         """The rename, then the flush of the directory that holds the name: before any eviction in it. What it
-        replaces is kept to be put back, once per name: a file or link by a hard link, until the boundary is
-        published; a directory by the move itself, retired."""
-        first = filepath not in self._replaced
-        if first and keep_previous_file(filepath):
-            self._replaced.append(filepath)
-        if move_into_place(staging, filepath, keep_retired=not first) and first:
-            if filepath not in self._replaced:  # a file replaced by a directory is retired, not linked
-                self._replaced.append(filepath)
-            self._retired_directories.add(filepath)
+        replaces is kept to be put back (:class:`~lightning_ckguard.publish.staging.Replacements`)."""
+        self._replaced.move_into_place(staging, filepath)
         self._durability.flush_entries(os.path.dirname(filepath))
 
     def _put_back(self, replaced: Sequence[str]) -> None:
-        """Rank 0, the boundary unpublished: each replaced file or link back under its name, newest first."""
-        _each_warning_on_failure(reversed(replaced), self._restore_previous,
+        """Rank 0, the boundary unpublished: each replaced checkpoint back under its name, in the order given."""
+        _each_warning_on_failure(replaced, self._restore_previous,
                                  "Could not put back the checkpoint %s after a failed checkpoint write: %s")
 
     def _restore_previous(self, path: str) -> None:
@@ -430,13 +423,7 @@ def _remove_all(paths: Iterable[str], remove: Remove) -> None:
 
 
 def _each_warning_on_failure(paths: Iterable[str], act: Callable[[str], None], message: str) -> None:
-    """``act`` on each of ``paths`` (a snapshot of them); a failure is logged as ``message % (path, error)`` and the
-    next path goes on: these are clean-ups, and the boundary's own outcome is the one to surface."""
-    for path in list(paths):
-        try:
-            act(path)
-        except Exception as error:
-            log.warning(message, path, error)
+    each_warning_on_failure(paths, act, message, log)
 
 
 def writes_as_lightning(io: Any, torch_checkpoint_io: type[Any]) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 import lightning_ckguard.publish.background as background
+import lightning_ckguard.publish.staging as staging_module
 from helpers import QUIET, FailingWrites, FaultyModel, SleepsAtStep, hook_writes
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.publish.staging import published_path
@@ -82,14 +83,15 @@ def _newest_two(tmp_path, **kwargs: Any) -> dict[str, Any]:
 def test_boundaries_publish_in_acceptance_order_after_their_write_while_training_goes_on(tmp_path, monkeypatch,
                                                                                       save_last):
     events: list[tuple[str, Any]] = []
-    move = background.move_into_place
+    move = staging_module.move_into_place
 
-    def recorded_move(staging: str, filepath: str) -> None:
-        move(staging, filepath)
+    def recorded_move(staging: str, filepath: str, keep_retired: bool = False) -> bool:
+        retired = move(staging, filepath, keep_retired)
         events.append(("published", os.path.basename(filepath)))
         assert os.path.exists(filepath)  # a link resolves: its target was published before it
+        return retired
 
-    monkeypatch.setattr(background, "move_into_place", recorded_move)
+    monkeypatch.setattr(staging_module, "move_into_place", recorded_move)
     callback = FiniteGradCheckpoint(**_newest_two(tmp_path, save_last=save_last))
     io = SlowIO(events)
     with io.slow():
@@ -173,25 +175,58 @@ def test_boundaries_queued_behind_a_failing_write_publish_nothing(tmp_path):
     assert list(callback.best_k_models) == [str(tmp_path / "step=1.ckpt")]
 
 
+def _refuse_move_onto_last(number: int) -> Callable[..., bool]:
+    """A ``move_into_place`` whose ``number``-th move onto ``last.ckpt`` (counting from 1) is refused."""
+    move = staging_module.move_into_place
+    moves: list[str] = []
+
+    def refusing(staging: str, filepath: str, **options: Any) -> bool:
+        if os.path.basename(filepath) == "last.ckpt":
+            moves.append(filepath)
+            if len(moves) == number:
+                raise OSError(30, "Read-only file system (injected)", filepath)
+        return move(staging, filepath, **options)
+
+    return refusing
+
+
+@pytest.mark.parametrize("filename", ["best", "last"])
+def test_a_unit_whose_last_cannot_be_put_in_place_puts_back_what_it_replaced(tmp_path, monkeypatch, filename):
+    """Each boundary's top-1 checkpoint has one name: ``best`` (replaced by each better one), or ``last`` itself
+    (written twice per boundary with ``save_last``, into one staging entry: one move). Step 4's unit replaces
+    ``best``, then the move of its ``last`` is refused: each name holds step 2's checkpoint again, as the rolled-back
+    ledger says, and nothing hidden is left."""
+    monkeypatch.setattr(staging_module, "move_into_place", _refuse_move_onto_last(2))  # step 4's `last`
+    callback = FiniteGradCheckpoint(**_newest_two(tmp_path, filename=filename, save_top_k=1,
+                                                  enable_version_counter=False))
+    with pytest.raises(OSError, match="injected"):
+        _fit(tmp_path, AsyncCheckpointIO(), callback, max_steps=4)
+    names = sorted({f"{filename}.ckpt", "last.ckpt"})
+    assert sorted(os.listdir(tmp_path)) == names
+    assert [torch.load(tmp_path / name, weights_only=False)["global_step"] for name in names] == [2] * len(names)
+    assert callback.best_model_path == str(tmp_path / f"{filename}.ckpt")
+    assert callback.best_model_score == 2
+
+
 @pytest.mark.parametrize("save_last", [True, "link"])
 def test_a_boundary_whose_last_cannot_be_put_in_place_is_undone_and_the_previous_last_stays(tmp_path, monkeypatch,
                                                                                           save_last):
     # step 4's unit puts `step=4.ckpt` in place, then its `last` (a copy moved over the old one, or a link) is refused:
     # the unit's new name goes, and the `last` step 2 published is still there, whole
-    def refused(*args: Any) -> None:
-        raise OSError(30, "Read-only file system (injected)", args[-1])
+    def refused(source: str, destination: str, **options: Any) -> None:
+        raise OSError(30, "Read-only file system (injected)", destination)
 
-    operation = "move_into_place" if save_last is True else "make_link"
-    original = getattr(background, operation)
+    module, operation = (staging_module, "move_into_place") if save_last is True else (background, "make_link")
+    original = getattr(module, operation)
 
-    def refuses_last_at_step_4(source: str, destination: str) -> None:
+    def refuses_last_at_step_4(source: str, destination: str, **options: Any) -> Any:
         if save_last is True:  # the copy moved over the old `last`, once `step=4.ckpt` is in place
             last_of_step_4 = os.path.basename(destination) == "last.ckpt" and (tmp_path / "step=4.ckpt").exists()
         else:  # the link to `step=4.ckpt`
             last_of_step_4 = os.path.basename(source) == "step=4.ckpt"
-        (refused if last_of_step_4 else original)(source, destination)
+        return (refused if last_of_step_4 else original)(source, destination, **options)
 
-    monkeypatch.setattr(background, operation, refuses_last_at_step_4)
+    monkeypatch.setattr(module, operation, refuses_last_at_step_4)
     callback = FiniteGradCheckpoint(**_newest_two(tmp_path, save_last=save_last))
     with pytest.raises(OSError, match="injected"):
         _fit(tmp_path, AsyncCheckpointIO(), callback, max_steps=4)

@@ -231,3 +231,29 @@ def test_a_held_failure_met_while_an_exception_is_handled_takes_the_top_k_back_t
     assert os.listdir(tmp_path) == []
     assert (callback.best_k_models, callback.best_model_path, callback.best_model_score) == ({}, "", None)
     assert (callback.kth_best_model_path, callback.current_score) == ("", None)
+
+
+def test_a_name_the_failed_boundary_created_and_wrote_twice_is_gone_not_its_first_write(tmp_path, monkeypatch):
+    """The first boundary writes ``last.ckpt`` twice (``filename="last"`` with ``save_last``): the first move creates
+    the name, the second is refused (held). Nothing of the boundary is left: the name it created goes, and its first
+    write is not kept as something to put back (the name held nothing before the boundary)."""
+    import lightning_ckguard.publish.staging as staging_module
+
+    move = staging_module.move_into_place
+    moves: list[str] = []
+
+    def refuse_the_second(staging: str, filepath: str, **options: Any) -> bool:
+        moves.append(os.path.basename(filepath))
+        if len(moves) == 2:
+            raise OSError(30, "Read-only file system (injected)", filepath)
+        return move(staging, filepath, **options)
+
+    monkeypatch.setattr(staging_module, "move_into_place", refuse_the_second)
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, filename="last", save_top_k=1, save_last=True,
+                                    enable_version_counter=False, every_n_train_steps=2)
+    seed_everything(0)
+    with pytest.raises(OSError, match="injected"):
+        Trainer(callbacks=[callback], max_steps=6, limit_val_batches=0, **QUIET).fit(FaultyModel())
+    assert moves == ["last.ckpt", "last.ckpt"]
+    assert os.listdir(tmp_path) == []
+    assert (callback.best_model_path, callback.last_model_path) == ("", "")

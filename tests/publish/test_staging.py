@@ -440,7 +440,6 @@ def test_a_refused_move_over_a_published_file_puts_it_back_and_leaves_no_retired
     """The file kept to be put back is a second name of the published one: once the move over it is refused, the
     name still is that file, and only the hidden retired name goes (a rename between two names of one file does
     nothing), not left beside the checkpoint for good."""
-    import lightning_ckguard.publish.writers as writers
     from lightning_ckguard import CheckpointPublisher
 
     publisher = CheckpointPublisher(None, tmp_path)
@@ -449,7 +448,7 @@ def test_a_refused_move_over_a_published_file_puts_it_back_and_leaves_no_retired
     def refused(staging: str, filepath: str, keep_retired: bool = False) -> bool:
         raise PermissionError(13, "Permission denied (injected)", filepath)
 
-    monkeypatch.setattr(writers, "move_into_place", refused)
+    monkeypatch.setattr(staging_module, "move_into_place", refused)
     with pytest.raises(PermissionError, match="injected"):
         publisher.save("a.pt", {"value": torch.tensor(2.0)})
     assert os.listdir(tmp_path) == ["a.pt"]
