@@ -11,14 +11,15 @@ single background thread in the order the boundaries were accepted:
    flushed first), in the order the hook asked, each followed by the flush of its directory;
 3. the evictions, last: nothing is evicted before the checkpoint that replaces it is published, flushed included.
 
-A unit whose write or move fails removes what it had put down (staging entries, names it created) and stops the
-queue: no later unit publishes, since its checkpoint lists the one that failed. The failure is held until the next
-boundary's agreement, where :meth:`BackgroundPublisher.report` rides in its one collective, or the end of training
-(under DDP only rank 0 writes); :meth:`BackgroundPublisher.settle` tells every rank; every rank then raises as for a
-synchronous failure, and the
-callback's ledger goes back to the one before the first unit that was not published: what is on disk. A unit whose
-eviction fails was published: the queue stops there too, the checkpoint it did not remove stays on disk, and the peers
-raise a ``CheckpointWriteError`` that says the removal failed (``removal=True``), as the synchronous writers do.
+A unit whose write or move fails removes what it had put down (staging entries, names it created), puts back what
+its moves replaced (:class:`~lightning_ckguard.publish.staging.Replacements`) and stops the queue: no later unit
+publishes, since its checkpoint lists the one that failed. The failure is held until the next boundary's agreement,
+where :meth:`BackgroundPublisher.report` rides in its one collective, or the end of training (under DDP only rank 0
+writes); :meth:`BackgroundPublisher.settle` tells every rank; every rank then raises as for a synchronous failure,
+and the callback's ledger goes back to the one before the first unit that was not published: what is on disk. A unit
+whose eviction fails was published: the queue stops there too, the checkpoint it did not remove stays on disk, and
+the peers raise a ``CheckpointWriteError`` that says the removal failed (``removal=True``), as the synchronous
+writers do.
 """
 
 from __future__ import annotations
