@@ -432,20 +432,25 @@ class FailingWrites:
         self._undo()
 
 
-def refuse_moves_to(name: str) -> Callable[[], None]:
+def refuse_moves_to(name: str, nth: int | None = None) -> Callable[[], None]:
     """From now on, rank 0's rename of a staging entry onto a checkpoint whose file name starts with ``name`` fails (a
-    read-only directory entry, say), after the boundary's last collective. Returns what undoes it."""
-    import lightning_ckguard.publish.staging as staging
+    read-only directory entry, say), after the boundary's last collective; with ``nth``, only the ``nth`` such move
+    (counting from 1). Returns what undoes it."""
+    import lightning_ckguard.publish.staging as staging_module
 
-    move = staging.move_into_place
+    move = staging_module.move_into_place
+    moves = 0
 
     def refusing(staging: str, filepath: str, keep_retired: bool = False) -> bool:
+        nonlocal moves
         if os.path.basename(filepath).startswith(name):
-            raise OSError(30, "Read-only file system (injected)", filepath)
+            moves += 1
+            if nth is None or moves == nth:
+                raise OSError(30, "Read-only file system (injected)", filepath)
         return move(staging, filepath, keep_retired)
 
-    staging.move_into_place = refusing  # type: ignore[assignment]
-    return lambda: setattr(staging, "move_into_place", move)
+    staging_module.move_into_place = refusing  # type: ignore[assignment]
+    return lambda: setattr(staging_module, "move_into_place", move)
 
 
 def refuse_flushes_of_staging(name: str, directories_only: bool = False) -> Callable[[], None]:

@@ -44,7 +44,6 @@ from lightning_ckguard.publish.staging import (
     make_link,
     published_path,
     release_retired,
-    restore_previous,
     staging_path,
 )
 
@@ -78,7 +77,10 @@ class PublicationUnit:
     publications: list[_Operation] = field(default_factory=list)
     evictions: list[_Operation] = field(default_factory=list)
     #: what its moves into place replaced, kept until it is published, and put back should it fail
-    replaced: Replacements = field(default_factory=Replacements)
+    replaced: Replacements = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.replaced = Replacements(self.durability.flush_entries)
 
     def write(self, staging: str, save: Callable[[], None]) -> None:
         """Write a checkpoint into ``staging`` (``save`` does it, from a snapshot taken on the training thread), then
@@ -96,7 +98,7 @@ class PublicationUnit:
 
         def move() -> None:
             if os.path.lexists(staging):  # a write that left nothing there has nothing to publish
-                self._move_into_place(staging, filepath)
+                self.replaced.move_into_place(staging, filepath)
 
         self.publications.append(_Operation("publish", filepath, move, staging))
 
@@ -107,22 +109,14 @@ class PublicationUnit:
         def link_and_move() -> None:
             make_link(target, staging)
             self.durability.flush_written(staging)  # a copy, where the filesystem refuses links, holds data
-            self._move_into_place(staging, linkpath)
+            self.replaced.move_into_place(staging, linkpath)
 
         self.publications.append(_Operation("publish", linkpath, link_and_move, staging))
 
-    def _move_into_place(self, staging: str, filepath: str) -> None:
-        self.replaced.move_into_place(staging, filepath)
-        self.durability.flush_entries(os.path.dirname(filepath))
-
     def put_back(self) -> None:
         """The unit failed: what its moves replaced goes back under its names, newest first."""
-        each_warning_on_failure(self.replaced.to_put_back(), self._restore_previous, "Could not put back the "
+        each_warning_on_failure(self.replaced.to_put_back(), self.replaced.restore, "Could not put back the "
                                 "checkpoint %s after a failed background checkpoint write: %s")
-
-    def _restore_previous(self, path: str) -> None:
-        restore_previous(path)
-        self.durability.flush_entries(os.path.dirname(path))
 
     def release_kept(self) -> None:
         """The unit is published: the files it kept to put back go."""
@@ -424,7 +418,6 @@ class BackgroundPublisher:
                 operation.run()
         except BaseException as error:
             self._undo(unit, created)
-            unit.put_back()
             assert operation is not None
             with self._lock:
                 self._failure = _Failure(error, operation.path, unit.sequence)
@@ -445,10 +438,12 @@ class BackgroundPublisher:
 
     @staticmethod
     def _undo(unit: PublicationUnit, created: list[str]) -> None:
-        """Remove what a failed unit put down: its staging entries, and the names it published anew."""
+        """Undo what a failed unit put down: remove its staging entries and the names it published anew, and put
+        back what its moves replaced."""
         each_warning_on_failure([*(op.staging for op in (*unit.writes, *unit.publications) if op.staging),
                                  *reversed(created)], discard,
                                 "Could not remove %s after a failed background checkpoint write: %s")
+        unit.put_back()
 
     def wait(self) -> None:
         """Block until every submitted unit has run (the end of training)."""

@@ -281,9 +281,11 @@ class Replacements:
     (:func:`keep_previous_file`, a hard link), a directory as the retired copy its move keeps anyway. Only a name's
     first move in the boundary keeps anything, and only where the name existed before it: a later move of the same
     name (``filename="last"`` with ``save_last``) replaces the boundary's own earlier write, and a name the boundary
-    created has nothing to put back. One per boundary."""
+    created has nothing to put back. One per boundary; ``flush_entries(directory)`` follows each move and each
+    put-back (the directory holding the name, made durable before anything else happens in it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, flush_entries: Callable[[str], None]) -> None:
+        self._flush_entries = flush_entries
         self._moved: set[str] = set()
         self._kept: list[str] = []  # in the order first replaced
         self._retired_directories: set[str] = set()
@@ -302,6 +304,12 @@ class Replacements:
             if filepath not in self._kept:  # a file replaced by a directory is retired, not linked
                 self._kept.append(filepath)
             self._retired_directories.add(filepath)
+        self._flush_entries(os.path.dirname(filepath))
+
+    def restore(self, filepath: str) -> None:
+        """:func:`restore_previous` of one of :meth:`to_put_back`'s names."""
+        restore_previous(filepath)
+        self._flush_entries(os.path.dirname(filepath))
 
     def to_put_back(self) -> list[str]:
         """The boundary failed: the names whose kept checkpoint goes back, newest first; forgets them."""

@@ -41,7 +41,6 @@ from lightning_ckguard.publish.seal import write_error
 from lightning_ckguard.publish.staging import (
     Replacements,
     discard,
-    restore_previous,
     staging_path,
     writes_directories,
 )
@@ -202,14 +201,15 @@ class StagedWriter(_HoldsFailures):
         super().__init__(collective)
         self._storage, self._durability = storage, durability
         self._created: list[str] = []  # the names this boundary put in place anew (rank 0)
-        self._replaced = Replacements()  # what this boundary's moves replaced, kept to put back (rank 0)
+        # what this boundary's moves replaced, kept to put back (rank 0)
+        self._replaced = Replacements(durability.flush_entries)
         # a file is written by rank 0 alone; a directory by every rank, each flushing what it sees once its part is in
         # (and the directories it made on the way: each rank notes what exists before its own write)
         self._writes_alone = not writes_directories(collective) and not is_rank_zero(collective)
 
     def open(self, before: Ledger | None) -> None:
         super().open(before)
-        self._created, self._replaced = [], Replacements()
+        self._created, self._replaced = [], Replacements(self._durability.flush_entries)
 
     def close(self, published: bool, created: Sequence[str], remove: Remove) -> None:
         # a failed later write puts back what an earlier one replaced: the disk is the rolled-back ledger's again
@@ -240,7 +240,7 @@ class StagedWriter(_HoldsFailures):
         if not rank_zero:
             return
         if os.path.lexists(staging):
-            self._in_place(filepath, staging, partial(self._move_into_place, staging, filepath))
+            self._in_place(filepath, staging, partial(self._replaced.move_into_place, staging, filepath))
         else:  # only Lightning's own write is staged, and it leaves its file there: gone (another job's recovery
             # removed it) is a failed publication, held and raised on every rank, not a checkpoint the ledger lists
             self._hold_unpublishing(partial(_gone, staging), filepath)
@@ -283,22 +283,12 @@ class StagedWriter(_HoldsFailures):
         """A link made by rank 0 alone: flushed there (a copy, where the filesystem refuses links, holds data), then
         moved into place."""
         self._durability.flush_written(staging)
-        self._move_into_place(staging, filepath)
-
-    def _move_into_place(self, staging: str, filepath: str) -> None:
-        """The rename, then the flush of the directory that holds the name: before any eviction in it. What it
-        replaces is kept to be put back (:class:`~lightning_ckguard.publish.staging.Replacements`)."""
         self._replaced.move_into_place(staging, filepath)
-        self._durability.flush_entries(os.path.dirname(filepath))
 
     def _put_back(self, replaced: Sequence[str]) -> None:
         """Rank 0, the boundary unpublished: each replaced checkpoint back under its name, in the order given."""
-        _each_warning_on_failure(replaced, self._restore_previous,
+        _each_warning_on_failure(replaced, self._replaced.restore,
                                  "Could not put back the checkpoint %s after a failed checkpoint write: %s")
-
-    def _restore_previous(self, path: str) -> None:
-        restore_previous(path)
-        self._durability.flush_entries(os.path.dirname(path))
 
     def _release_previous(self, replaced: Sequence[str]) -> None:
         """Rank 0, the boundary published: the kept files go (else before the name's next write, or at the end)."""

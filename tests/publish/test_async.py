@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 import lightning_ckguard.publish.background as background
 import lightning_ckguard.publish.staging as staging_module
-from helpers import QUIET, FailingWrites, FaultyModel, SleepsAtStep, hook_writes
+from helpers import QUIET, FailingWrites, FaultyModel, SleepsAtStep, hook_writes, refuse_moves_to
 from lightning_ckguard import FiniteGradCheckpoint
 from lightning_ckguard.publish.staging import published_path
 
@@ -175,32 +175,20 @@ def test_boundaries_queued_behind_a_failing_write_publish_nothing(tmp_path):
     assert list(callback.best_k_models) == [str(tmp_path / "step=1.ckpt")]
 
 
-def _refuse_move_onto_last(number: int) -> Callable[..., bool]:
-    """A ``move_into_place`` whose ``number``-th move onto ``last.ckpt`` (counting from 1) is refused."""
-    move = staging_module.move_into_place
-    moves: list[str] = []
-
-    def refusing(staging: str, filepath: str, **options: Any) -> bool:
-        if os.path.basename(filepath) == "last.ckpt":
-            moves.append(filepath)
-            if len(moves) == number:
-                raise OSError(30, "Read-only file system (injected)", filepath)
-        return move(staging, filepath, **options)
-
-    return refusing
-
-
 @pytest.mark.parametrize("filename", ["best", "last"])
-def test_a_unit_whose_last_cannot_be_put_in_place_puts_back_what_it_replaced(tmp_path, monkeypatch, filename):
+def test_a_unit_whose_last_cannot_be_put_in_place_puts_back_what_it_replaced(tmp_path, filename):
     """Each boundary's top-1 checkpoint has one name: ``best`` (replaced by each better one), or ``last`` itself
     (written twice per boundary with ``save_last``, into one staging entry: one move). Step 4's unit replaces
     ``best``, then the move of its ``last`` is refused: each name holds step 2's checkpoint again, as the rolled-back
     ledger says, and nothing hidden is left."""
-    monkeypatch.setattr(staging_module, "move_into_place", _refuse_move_onto_last(2))  # step 4's `last`
     callback = FiniteGradCheckpoint(**_newest_two(tmp_path, filename=filename, save_top_k=1,
                                                   enable_version_counter=False))
-    with pytest.raises(OSError, match="injected"):
-        _fit(tmp_path, AsyncCheckpointIO(), callback, max_steps=4)
+    undo = refuse_moves_to("last.ckpt", nth=2)  # step 4's `last`
+    try:
+        with pytest.raises(OSError, match="injected"):
+            _fit(tmp_path, AsyncCheckpointIO(), callback, max_steps=4)
+    finally:
+        undo()
     names = sorted({f"{filename}.ckpt", "last.ckpt"})
     assert sorted(os.listdir(tmp_path)) == names
     assert [torch.load(tmp_path / name, weights_only=False)["global_step"] for name in names] == [2] * len(names)

@@ -16,6 +16,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
+import lightning_ckguard.publish.staging as staging_module
 from helpers import QUIET, FaultyModel, ledger_state, refuse_flushes_of_staging, tree_digest
 from lightning_ckguard import CheckpointPublisher, CheckpointWriteError, FiniteGradCheckpoint
 from lightning_ckguard.publish.durability import durability
@@ -248,3 +249,40 @@ def test_the_publishers_new_dirpath_is_flushed_in_each_parent_it_was_made_in(tmp
     monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
     CheckpointPublisher(None, str(tmp_path / "runs" / "checkpoints"), durable=durable)
     assert flushed == ([str(tmp_path / "runs"), str(tmp_path)] if durable else [])
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_a_checkpoint_put_back_is_flushed_in_its_directory(tmp_path, monkeypatch, kind):
+    """A failed boundary puts back what it replaced by a rename: the directory holding the name is flushed after it,
+    as after any move into place, so that a machine crash cannot bring the failed boundary's checkpoint back."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from lightning_ckguard.publish.storage import LocalStorage
+    from lightning_ckguard.publish.writers import StagedWriter
+
+    def make(path: str, content: str) -> None:
+        if kind == "file":
+            Path(path).write_text(content)
+        else:
+            os.makedirs(path)
+            Path(path, "shard").write_text(content)
+
+    best = str(tmp_path / "best.ckpt")
+    make(best, "before")
+    writer = StagedWriter(None, LocalStorage(LocalFileSystem()), durability(True))
+    writer.open(None)
+    writer.save(best, lambda staging, flush: make(staging, "failed"))
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("flush", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    exchange = staging_module._exchange
+    monkeypatch.setattr(os, "replace", lambda source, destination: (
+        events.append(("rename", os.path.basename(destination))), replace(source, destination))[1])
+    monkeypatch.setattr(staging_module, "_exchange", lambda a, b: (  # a directory where the filesystem swaps names
+        events.append(("rename", os.path.basename(b))), exchange(a, b))[1])
+    writer.close(False, (), lambda path: None)
+    monkeypatch.undo()
+    assert Path(best if kind == "file" else os.path.join(best, "shard")).read_text() == "before"
+    renamed_back = max(i for i, event in enumerate(events) if event == ("rename", "best.ckpt"))
+    assert ("flush", str(tmp_path)) in events[renamed_back:], events
