@@ -141,6 +141,29 @@ class AtStepEnd(Callback):
             self.action(trainer)
 
 
+class HookFailsAt(Callback):
+    """Its ``hook`` (``"state_dict"`` or ``"on_save_checkpoint"``) raises ``RuntimeError("hook failed on rank R")`` in
+    every save of epoch ``epoch`` on rank ``rank`` only: a failure of yours in the Trainer's ``dump_checkpoint``,
+    before the strategy writes."""
+
+    def __init__(self, hook: str, rank: int, epoch: int) -> None:
+        self.hook, self.rank, self.epoch = hook, rank, epoch
+
+    def _fails(self, trainer: Any, hook: str) -> None:
+        if hook == self.hook and trainer.global_rank == self.rank and trainer.current_epoch == self.epoch:
+            raise RuntimeError(f"hook failed on rank {self.rank}")
+
+    def state_dict(self) -> dict[str, Any]:
+        self._fails(self.trainer, "state_dict")
+        return {}
+
+    def setup(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        self.trainer = trainer
+
+    def on_save_checkpoint(self, trainer: Any, *args: Any) -> None:
+        self._fails(trainer, "on_save_checkpoint")
+
+
 class RecordingLogger(Logger):
     """A logger that records every ``log_metrics`` call, ``(step, metrics)``, in ``calls``."""
 
@@ -280,21 +303,24 @@ class SleepsAtStep(FaultyModel):
         return super().training_step(batch, batch_idx)
 
 
-def fit_outcome(fit: Callable[[], Any], write_errors: bool = False) -> dict[str, Any]:
+def fit_outcome(fit: Callable[[], Any], write_errors: bool = False,
+                also: tuple[type[Exception], ...] = ()) -> dict[str, Any]:
     """Run ``fit`` (a worker's ``trainer.fit``) and say how it ended, for the rank's result file: ``error`` is None,
     a ``NonFiniteGradientError``'s fields (with ``error_type`` and ``message``), with ``write_errors`` an ``OSError``
-    or ``CheckpointWriteError`` as its type and message, or anything else as ``unexpected``, with its trace, so the
-    test shows what went wrong on which rank."""
+    or ``CheckpointWriteError`` (or one of ``also``) as its type and message, or anything else as ``unexpected``,
+    with its trace, so the test shows what went wrong on which rank. ``elapsed``: the fit's seconds."""
     outcome: dict[str, Any] = {"error": None, "error_type": None}
+    start = time.monotonic()
     try:
         fit()
     except NonFiniteGradientError as error:
         outcome.update(error=error.fields(), error_type=type(error).__name__, message=str(error))
     except Exception as error:
-        if write_errors and isinstance(error, (OSError, CheckpointWriteError)):
+        if write_errors and isinstance(error, (OSError, CheckpointWriteError, *also)):
             outcome["error"] = {"type": type(error).__name__, "message": str(error)}
         else:
             outcome["error"] = {"unexpected": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    outcome["elapsed"] = time.monotonic() - start
     return outcome
 
 

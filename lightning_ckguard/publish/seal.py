@@ -13,7 +13,7 @@ import contextvars
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol
 
 from lightning_ckguard._distributed import (
@@ -147,8 +147,12 @@ class PublicationSeal:
         strategy = self._trainer.strategy
         held = HeldWriteFailure()
         write = strategy.save_checkpoint
+        # a rank whose hooks failed has nothing worth writing; where rank 0 writes alone, no peer waits for its write
+        skip_after_hook_failure = _writes_on_rank_zero_alone(strategy)
 
         def write_holding_failure(*args: Any, **kwargs: Any) -> None:
+            if held.error is not None and skip_after_hook_failure:
+                return
             held.write(strategy, functools.partial(write, *args, **kwargs), lambda: self._flush(str(filepath)))
 
         barrier = strategy.barrier
@@ -161,7 +165,8 @@ class PublicationSeal:
 
         try:
             with replaced_attribute(strategy, "save_checkpoint", write_holding_failure), \
-                    replaced_attribute(strategy, "barrier", barrier_unless_after_the_write):
+                    replaced_attribute(strategy, "barrier", barrier_unless_after_the_write), \
+                    held.hooks_holding_failures(self._trainer):
                 self._save_checkpoint(filepath, *args, **kwargs)
             agree_on_write(strategy, held.error, published_path(str(filepath)))
         except Exception as error:
@@ -184,6 +189,36 @@ class HeldWriteFailure:
     def hold(self, error: BaseException) -> None:
         self.error = self.error or own_write_failure(error)
 
+    @contextmanager
+    def hooks_holding_failures(self, trainer: Any) -> Iterator[None]:
+        """For one save: the code of yours a Trainer's ``dump_checkpoint`` calls on each rank before the strategy
+        writes (each callback's ``state_dict`` and ``on_save_checkpoint``, the LightningModule's
+        ``on_save_checkpoint``, the datamodule's ``state_dict``) holds its failure instead of raising it, and once one
+        failed, the hooks after it are not called, as its raise would have skipped them. The rest of the dump still
+        runs on that rank, with the collectives it holds (ZeRO-1's optimizer-state consolidation, a sharded model's
+        gathering), so that its peers are not left waiting there: they learn of the failure in the agreement after
+        the write, and every rank raises there, the failing one its own error."""
+        with ExitStack() as stack:
+            for owner, name in _dump_hooks(trainer):
+                hook = getattr(owner, name)
+                try:
+                    stack.enter_context(replaced_attribute(owner, name, self._holding_failure(hook)))
+                except (AttributeError, TypeError):  # an object whose hook cannot be set: it raises as it would
+                    continue
+            yield
+
+    def _holding_failure(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def hook_holding_failure(*args: Any, **kwargs: Any) -> Any:
+            if self.error is not None:
+                return None
+            try:
+                return hook(*args, **kwargs)
+            except Exception as error:
+                self.hold(error)
+                return None
+
+        return hook_holding_failure
+
     def write(self, strategy: Any, write: Callable[[], None], flush: Callable[[], None]) -> None:
         """Run ``write`` through ``strategy``, then ``flush`` this rank's part if it succeeded (a flush that fails is
         a failed write); a failure of either is held. Under DeepSpeed a file write that fails is held inside the save,
@@ -191,9 +226,9 @@ class HeldWriteFailure:
         until the timeout (:func:`_file_writes_holding_failures`). A sharded save through
         ``torch.distributed.checkpoint`` meets first (``_distributed.DistributedCheckpointMeeting``), so that a rank
         whose own part failed before it inside the strategy's save (a Fabric strategy converts your objects' state
-        there) stops its peers there. What a Trainer collects before calling the strategy (``dump_checkpoint``: the
-        hooks' ``on_save_checkpoint``) is not covered: a failure there on one rank waits for the collective timeout,
-        as under ``ModelCheckpoint``."""
+        there) stops its peers there. A failure of your hooks in the Trainer's ``dump_checkpoint`` before it is held
+        by :meth:`hooks_holding_failures`; one of Lightning's own code there on one rank (an optimizer's state dict)
+        still waits for the collective timeout, as under ``ModelCheckpoint``."""
         meeting = DistributedCheckpointMeeting(strategy, "save", enabled=saves_through_distributed_checkpoint(strategy))
         try:
             with _file_writes_holding_failures(strategy, self.hold), meeting:
@@ -260,10 +295,40 @@ _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
 def _defined_by_lightning(owner: Any, name: str) -> bool:
     """Whether the method ``name`` that ``owner``'s class has comes from a class of a Lightning package (or from
     none: nothing overrides it, a test double), not from a subclass the user wrote."""
-    for cls in type(owner).__mro__:
-        if name in vars(cls):
-            return str(cls.__module__).split(".")[0] in _LIGHTNING_PACKAGES
-    return True
+    cls = _defining_class(owner, name)
+    return cls is None or _of_lightning(cls)
+
+
+def _writes_on_rank_zero_alone(strategy: Any) -> bool:
+    """Whether ``strategy`` saves by Lightning's base ``Strategy.save_checkpoint``: rank 0 writes through its
+    checkpoint IO, and no rank runs a collective there (DDP, one device), so a rank may skip it. DeepSpeed's, FSDP's
+    and model parallel's saves start with a broadcast, and a sharded one is collective."""
+    cls = _defining_class(strategy, "save_checkpoint")
+    return cls is not None and cls.__name__ == "Strategy" and _of_lightning(cls)
+
+
+def _defining_class(owner: Any, name: str) -> type | None:
+    """The class in ``owner``'s class's method resolution order that defines ``name``, or None."""
+    return next((cls for cls in type(owner).__mro__ if name in vars(cls)), None)
+
+
+def _of_lightning(cls: type) -> bool:
+    return str(cls.__module__).split(".")[0] in _LIGHTNING_PACKAGES
+
+
+def _dump_hooks(trainer: Any) -> list[tuple[Any, str]]:
+    """The hooks of yours a Trainer's ``dump_checkpoint`` calls, as (object, method name); none for a Trainer
+    double without a callback list."""
+    callbacks = getattr(trainer, "callbacks", None)
+    if not isinstance(callbacks, list):
+        return []
+    hooks = [(callback, name) for callback in callbacks for name in ("state_dict", "on_save_checkpoint")]
+    module, datamodule = getattr(trainer, "lightning_module", None), getattr(trainer, "datamodule", None)
+    if module is not None:
+        hooks.append((module, "on_save_checkpoint"))
+    if datamodule is not None:
+        hooks.append((datamodule, "state_dict"))
+    return hooks
 
 #: The name ``Trainer.save_checkpoint`` gives the barrier it ends with (Lightning 2.5 and 2.6).
 _POST_SAVE_BARRIER = "Trainer.save_checkpoint"

@@ -186,14 +186,14 @@ def test_ema_best_boundary_is_guarded_on_every_rank(ranks):
 
 
 def assert_rank_0_failed_and_every_rank_rolled_back(ranks: list[dict[str, Any]], scenario: str, own: str,
-                                                   told: str) -> None:
-    """Rank 0 raised its own error (``own`` in its message), rank 1 a ``CheckpointWriteError`` naming rank 0 (and
-    ``told``); every rank's ledger, and rank 0's files, are what they were before epoch 1's boundary, with the
-    checkpoint it would have evicted still there."""
+                                                   told: str, failing: int = 0, own_type: str = "OSError") -> None:
+    """Rank ``failing`` raised its own error (``own_type``, ``own`` in its message), the other rank a
+    ``CheckpointWriteError`` naming it (and ``told``); every rank's ledger, and rank 0's files, are what they were
+    before epoch 1's boundary, with the checkpoint it would have evicted still there."""
     errors = [results[scenario]["error"] for results in ranks]
-    assert errors[0]["type"] == "OSError" and own in errors[0]["message"]
-    assert errors[1]["type"] == "CheckpointWriteError"
-    assert "failed on rank 0" in errors[1]["message"] and told in errors[1]["message"]
+    assert errors[failing]["type"] == own_type and own in errors[failing]["message"]
+    assert errors[1 - failing]["type"] == "CheckpointWriteError"
+    assert f"failed on rank {failing}" in errors[1 - failing]["message"] and told in errors[1 - failing]["message"]
     for rank, results in enumerate(ranks):
         result = results[scenario]
         assert result["state"] == result["snapshots"]["3"]["state"], f"rank {rank}: the ledger did not roll back"
@@ -214,3 +214,14 @@ def test_a_move_refused_on_rank_0_raises_on_every_rank_at_the_next_boundary_and_
     for rank, results in enumerate(ranks):
         global_step = results["ddp-val_topk-move-fails"]["global_step"]
         assert global_step == 6, f"rank {rank}: raised at the next boundary (epoch 2), not elsewhere"
+
+
+@pytest.mark.parametrize("scenario, failing", [("ddp-val_topk-hook-fails", 1), ("zero1-val_topk-hook-fails", 0)])
+def test_a_hook_failing_on_one_rank_before_the_write_raises_on_every_rank_and_rolls_back(ranks, scenario, failing):
+    # under ModelCheckpoint the failing rank leaves the save while its peer waits in the next collective (the
+    # post-save barrier; under ZeRO-1 the optimizer-state consolidation) until the 60 s timeout
+    assert_rank_0_failed_and_every_rank_rolled_back(ranks, scenario, f"hook failed on rank {failing}", "epoch=1",
+                                                    failing=failing, own_type="RuntimeError")
+    for rank, results in enumerate(ranks):
+        assert results[scenario]["global_step"] == 4, f"rank {rank}: raised at epoch 1's boundary"
+        assert results[scenario]["elapsed"] < 30, f"rank {rank} waited for a timeout"

@@ -197,3 +197,23 @@ def test_deepspeed_demo_shows_rejection_intact_directories_and_resume(tmp_path):
 
 
 # ---------------------------------------------------------------------- the source itself, in one process
+
+
+@pytest.mark.parametrize("kind", ["zero2", "fsdp2"])
+def test_a_hook_failing_on_one_rank_before_a_sharded_save_raises_on_every_rank_and_rolls_back(worker_results, kind):
+    # DeepSpeed's and FSDP2's saves start with a broadcast and are collective: under ModelCheckpoint the failing rank
+    # leaves while its peer waits in them until the 60 s timeout
+    ranks = results_for(kind, worker_results)
+    results = [rank["val_topk-hook-fails"] for rank in ranks]
+    assert results[1]["error"] == {"type": "RuntimeError", "message": "hook failed on rank 1"}
+    assert results[0]["error"]["type"] == "CheckpointWriteError"
+    assert "failed on rank 1: RuntimeError: hook failed on rank 1" in results[0]["error"]["message"]
+    def published(tree: dict[str, Any]) -> dict[str, Any]:  # not the retired `last` the failed boundary released
+        return {path: entry for path, entry in tree.items() if not path.startswith(".")}
+
+    before = results[0]["snapshots"]["5"]
+    assert published(results[0]["tree"]) == published(before["tree"]), "files changed after a failed boundary"
+    assert "epoch=0.ckpt" in results[0]["tree"]  # the checkpoint it would have evicted stays
+    for rank, result in enumerate(results):
+        assert result["state"] == result["snapshots"]["5"]["state"], f"rank {rank}: the ledger did not roll back"
+        assert result["global_step"] == 6 and result["elapsed"] < 30, f"rank {rank}: not at epoch 2's boundary, or late"

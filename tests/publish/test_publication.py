@@ -5,17 +5,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from helpers import (
     QUIET,
     DirectoryCheckpointStrategy,
     FailingWrites,
     FaultyModel,
+    HookFailsAt,
     hook_writes,
     ledger_state,
     refuse_moves_to,
@@ -58,6 +61,45 @@ def test_failed_serialization_rolls_back_and_keeps_evicted_file(failing, tmp_pat
     assert tree_digest(str(tmp_path)) == before["tree"], "files changed after a failed boundary"
     assert "epoch=0-step=2.ckpt" in before["tree"]  # the file the failed boundary would have evicted
     assert callback.best_model_path == str(tmp_path / "epoch=0-step=2.ckpt")
+
+
+class ListsItsWrites(TorchCheckpointIO):
+    """A checkpoint IO of the user's own: it writes at the name it is given (nothing is staged), listing each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[str] = []
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        self.written.append(os.path.basename(str(path)))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class ListsItsSaves(FaultyModel):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.saved_in_epochs: list[int] = []
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.saved_in_epochs.append(self.current_epoch)
+
+
+@pytest.mark.parametrize("hook", ["state_dict", "on_save_checkpoint"])
+def test_a_hook_failing_before_the_write_raises_its_error_and_nothing_more_runs_or_is_written(hook, tmp_path):
+    # the hook's failure is held until the agreement after the write (so that peers are not left waiting); on the
+    # rank that would write, the checkpoint the hook left unfinished must not reach an IO that writes at the real name
+    io = ListsItsWrites()
+    callback = FiniteGradCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, save_last=True)
+    model = ListsItsSaves(val_losses=[3.0, 2.0, 1.0], snapshot_steps=[3])
+    seed_everything(0)
+    trainer = Trainer(callbacks=[callback, HookFailsAt(hook, rank=0, epoch=1)], plugins=[io], **QUIET, **EPOCHS)
+    with pytest.raises(RuntimeError, match="hook failed on rank 0"):
+        trainer.fit(model)
+    assert io.written == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert model.saved_in_epochs == [0, 0], "a hook after the failed one ran"
+    before = model.snapshots[3]
+    assert ledger_state(callback) == before["state"], "the ledger was not rolled back"
+    assert tree_digest(str(tmp_path)) == before["tree"], "files changed after a failed boundary"
 
 
 @pytest.mark.parametrize("save_last", [True, "link"])

@@ -34,6 +34,7 @@ from helpers import (  # noqa: E402
     QUIET,
     FailingWrites,
     FaultyModel,
+    HookFailsAt,
     ModelCheckpoint,
     fit_outcome,
     ledger_state,
@@ -85,7 +86,7 @@ CONFIGS = {"periodic": PERIODIC, "trailing": TRAILING, "top1_last": TOP1_LAST, "
 
 def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_steps: tuple[int, ...] = (),
         on_non_finite: str = "raise", fault_batches: tuple[int, ...] = (), fail_write: str | None = None,
-        refuse_move: str | None = None) -> dict[str, Any]:
+        refuse_move: str | None = None, failing_hook: tuple[str, int] | None = None) -> dict[str, Any]:
     callback_kwargs, trainer_kwargs, model_kwargs = CONFIGS[config]
     seed_everything(7)
     dirpath = os.path.join(root, name)
@@ -99,6 +100,8 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
     model = FaultyModel(fault_steps=fault_steps, fault_batches=fault_batches, fault_ranks=(1,), zero1=zero1,
                         **model_kwargs)
     callbacks = [EMAWeightAveraging(decay=0.5), callback] if config == "ema_best" else [callback]
+    if failing_hook:  # (hook, rank): fails in epoch 1's save
+        callbacks.append(HookFailsAt(*failing_hook, epoch=1))
     trainer = Trainer(
         strategy=make_strategy("zero1" if zero1 else "ddp", timeout=TIMEOUT), devices=DEVICES, callbacks=callbacks,
         **QUIET, **trainer_kwargs
@@ -111,7 +114,8 @@ def run(root: str, name: str, config: str, zero1: bool, guarded: bool, fault_ste
     failing = FailingWrites(fail_write) if fail_write else contextlib.nullcontext()
     try:
         with failing:
-            result = fit_outcome(lambda: trainer.fit(model), write_errors=True)
+            result = fit_outcome(lambda: trainer.fit(model), write_errors=True,
+                                 also=(RuntimeError,) if failing_hook else ())
     finally:
         for restore in undo:
             restore()
@@ -253,6 +257,12 @@ def scenarios() -> dict[str, Callable[[str], dict[str, Any]]]:
     # rank 0's rename of epoch 1's top-1 file into place fails, after the boundary's last collective
     table["ddp-val_topk-move-fails"] = lambda root: run(root, "ddp-val_topk-move-fails", "top1_last", False, True,
                                                         refuse_move="epoch=1")
+    # a hook of yours fails on one rank in epoch 1's save, before the strategy writes: on rank 1 under DDP, on rank 0
+    # (the writer) in ZeRO-1, before the optimizer-state consolidation every rank must join
+    table["ddp-val_topk-hook-fails"] = lambda root: run(root, "ddp-val_topk-hook-fails", "top1_last", False, True,
+                                                        failing_hook=("on_save_checkpoint", 1))
+    table["zero1-val_topk-hook-fails"] = lambda root: run(root, "zero1-val_topk-hook-fails", "top1_last", True, True,
+                                                          failing_hook=("state_dict", 0))
     table["process-group-guard"] = guard_without_trainer
     table["process-group-state-check-fails"] = state_check_failing_on_one_rank
     if DEVICES == 4:

@@ -33,6 +33,7 @@ from strategies import make_strategy  # noqa: E402
 
 from helpers import (  # noqa: E402
     QUIET,
+    HookFailsAt,
     deepspeed_unavailable_reported,
     fit_outcome,
     ledger_state,
@@ -85,6 +86,7 @@ def run(
     max_steps: int | None = None,
     count_ops: bool = False,
     config_kwargs: dict[str, Any] | None = None,
+    failing_hook: HookFailsAt | None = None,
     **guard_kwargs: Any,
 ) -> dict[str, Any]:
     callback_kwargs, trainer_kwargs, model_kwargs = CONFIGS[config]
@@ -104,6 +106,9 @@ def run(
         counter = StepCollectives()
         counter.attach(callback)
         callbacks.insert(0, counter)
+    if failing_hook is not None:
+        callbacks.append(failing_hook)
+        model_kwargs = dict(model_kwargs, snapshot_steps=(5,))  # before epoch 2's boundary
     model = ShardedFaultModel(fault_steps=fault_steps, fsdp2=kind == "fsdp2", **model_kwargs)
     strategy = make_strategy(STRATEGY_KINDS[kind], timeout=TIMEOUT, precision=precision,
                              check_grad_overflow=check_grad_overflow, **(config_kwargs or {}))
@@ -116,7 +121,8 @@ def run(
         **QUIET,
         **trainer_kwargs,
     )
-    result = fit_outcome(lambda: trainer.fit(model, ckpt_path=ckpt_path))
+    result = fit_outcome(lambda: trainer.fit(model, ckpt_path=ckpt_path), write_errors=failing_hook is not None,
+                         also=(RuntimeError,) if failing_hook is not None else ())
     result.update(
         tree=tree_digest(dirpath) if trainer.global_rank == 0 else None,  # rank 0 owns the files (see the model)
         state=ledger_state(callback),
@@ -157,6 +163,11 @@ def scenarios(kind: str) -> dict[str, Scenario]:
     resume_precision = {"zero1": "bf16-true", "zero2": "32-true", "zero3": "bf16-mixed", "fsdp2": "32-true"}[kind]
     table["resume-guarded"] = lambda root, n=f"{kind}-resume-guarded": resume(root, n, kind, True, resume_precision)
     table["resume-plain"] = lambda root, n=f"{kind}-resume-plain": resume(root, n, kind, False, resume_precision)
+    if kind in ("zero2", "fsdp2"):
+        # a hook of yours fails on rank 1 in epoch 2's save, before a save that starts with a broadcast and is
+        # collective: every rank still runs it, into staging, and raises after it
+        table["val_topk-hook-fails"] = lambda root, n=f"{kind}-val_topk-hook-fails": run(
+            root, n, kind, "val_topk", failing_hook=HookFailsAt("on_save_checkpoint", rank=1, epoch=2))
     if kind in ("zero2", "zero3"):
         # DeepSpeed's overflow check on: the NaN step is skipped, never applied; publication goes on, and reports it
         check = None if kind == "zero3" else True
