@@ -111,6 +111,12 @@ class ScriptedModel(BoringModel):
         self.keep_pre_step_state = keep_pre_step_state
         self.raise_at_step = raise_at_step
         self.validation_runs = 0
+        self.resumed_from: str | None = None
+
+    def on_fit_start(self) -> None:
+        # what the fit resumed from, through a `last` link as it was then (before the fit moves the link)
+        path = self.trainer.ckpt_path
+        self.resumed_from = os.path.realpath(path) if path and os.path.exists(path) else path
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.clock is not None:
@@ -151,9 +157,11 @@ class CountingIO(TorchCheckpointIO):
     def __init__(self) -> None:
         super().__init__()
         self.removes = 0
+        self.removed: list[str] = []
 
     def remove_checkpoint(self, path: Any) -> None:
         self.removes += 1
+        self.removed.append(str(path))
         super().remove_checkpoint(path)
 
 
@@ -214,6 +222,10 @@ class Side:
     mock_save: bool = False
     #: FiniteGradCheckpoint's side: the one extra key of its state, ``ckguard_format_version``, is left out
     guarded: bool = False
+    #: the ``ckpt_path`` every fit after the first resumes from (``"last"``, ``"best"``), or None
+    resume: str | None = None
+    #: what the Trainer of every fit after the first takes instead of ``trainer_kwargs`` (a resumed fit trains on)
+    later_trainer_kwargs: dict[str, Any] | None = None
 
 
 def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
@@ -229,9 +241,10 @@ def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
     save_calls = 0
     mock_calls: list[Any] = []
     errors: list[str | None] = []
+    resumed_from: list[str | None] = []
     with _captured_logs() as logs, warnings.catch_warnings(record=True) as caught, _written_files() as written:
         warnings.simplefilter("always")
-        for _ in range(side.fits):
+        for fit in range(side.fits):
             if callback is None or not side.same_callback:
                 callback = side.make_callback()
             seed_everything(0, verbose=False)
@@ -241,7 +254,8 @@ def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
             if side.logger:
                 loggers.append(RecordingCSVLogger(save_dir=side.root))
                 kwargs["logger"] = loggers[-1]
-            trainer = Trainer(callbacks=[callback], plugins=[io], **{**kwargs, **side.trainer_kwargs})
+            loop = side.later_trainer_kwargs if fit and side.later_trainer_kwargs is not None else side.trainer_kwargs
+            trainer = Trainer(callbacks=[callback], plugins=[io], **{**kwargs, **loop})
             if side.mock_save:
                 save = mock.Mock()
                 trainer.save_checkpoint = save  # as Lightning's own tests do: nothing is written
@@ -250,10 +264,11 @@ def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
                 trainer.save_checkpoint = save
             model = ScriptedModel(clock=clock, **side.model_kwargs)
             try:
-                trainer.fit(model)
+                trainer.fit(model, ckpt_path=side.resume if fit else None)
                 errors.append(None)
             except Exception as error:  # compared like any other observation
                 errors.append(_describe(error))
+            resumed_from.append(getattr(model, "resumed_from", None))
             if side.mock_save:
                 save_calls += save.call_count
                 mock_calls.extend((tuple(c.args), dict(c.kwargs)) for c in save.call_args_list)
@@ -262,6 +277,7 @@ def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
     assert callback is not None
     observation = {
         "errors": errors,
+        "resumed_from": resumed_from,
         "tree": tree(side.root, side.guarded),
         "state_key": callback.state_key,
         "attributes": {name: getattr(callback, name, "<missing>") for name in ATTRIBUTES},
@@ -272,6 +288,7 @@ def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
         "save_checkpoint_calls": save_calls,
         "io_saves": len(written),
         "io_removes": sum(io.removes for io in ios),
+        "io_removed": [path for io in ios for path in io.removed],
         "mock_calls": mock_calls,
         "after_save_checkpoint": [logger.after_save for logger in loggers],
     }
@@ -315,6 +332,7 @@ def tree(root: str, guarded: bool = False) -> dict[str, Any]:
     permission bits and content (checkpoints loaded; CSV metrics parsed, the guard's own metrics left out). With
     ``guarded``, ``ckguard_format_version`` is left out of the checkpoints' callback states."""
     entries: dict[str, Any] = {}
+    guard_metrics_alone: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in sorted(dirnames + filenames):
             path = os.path.join(dirpath, name)
@@ -324,9 +342,33 @@ def tree(root: str, guarded: bool = False) -> dict[str, Any]:
                 entries[rel] = {"link": os.readlink(path), "resolves": os.path.exists(path)}
             elif os.path.isdir(path):
                 entries[rel] = {"dir": mode}
+            elif (content := _content(path, guarded)) is not _GUARD_METRICS_ALONE:
+                entries[rel] = {"file": mode, "content": content}
             else:
-                entries[rel] = {"file": mode, "content": _content(path, guarded)}
+                guard_metrics_alone.append(rel)
+    # a directory left holding nothing else may have been made for them alone (a fit that logged nothing else):
+    # marked, for ``differences`` to leave out where the reference has no such directory
+    for rel in guard_metrics_alone:
+        parent = os.path.dirname(rel)
+        while parent and not any(other.startswith(parent + os.sep) for other in entries):
+            entries[parent] = {**entries[parent], _FOR_GUARD_METRICS: True}
+            parent = os.path.dirname(parent)
     return entries
+
+
+_FOR_GUARD_METRICS = "holds only the guard's metrics"
+
+
+def _reconciled(reference: dict[str, Any], tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` (the guarded side's) without the directories that held only the guard's metrics where the reference
+    has none, and with the mark taken off those it has too."""
+    return {path: {k: v for k, v in entry.items() if k != _FOR_GUARD_METRICS} for path, entry in tree.items()
+            if not entry.get(_FOR_GUARD_METRICS) or path in reference}
+
+
+#: What :func:`_content` returns for a metrics file that holds only the guard's own metrics: its logger wrote it for
+#: them alone (nothing else was logged by the end of the fit), so it is left out, as they are.
+_GUARD_METRICS_ALONE = object()
 
 
 def _content(path: str, guarded: bool) -> Any:
@@ -345,8 +387,9 @@ def _content(path: str, guarded: bool) -> Any:
         if not guarded:
             return rows
         # the guard's documented metrics out, and the rows that only held them (Lightning's rows all have an epoch)
-        rows = [{k: v for k, v in row.items() if not k.startswith(GUARD_METRIC_PREFIX)} for row in rows]
-        return [row for row in rows if any(v for k, v in row.items() if k != "step")]
+        held = [{k: v for k, v in row.items() if not k.startswith(GUARD_METRIC_PREFIX)} for row in rows]
+        held = [row for row in held if any(v for k, v in row.items() if k != "step")]
+        return _GUARD_METRICS_ALONE if rows and not held else held
     with open(path, "rb") as f:
         return f.read()
 
@@ -379,6 +422,8 @@ def differences(reference: Any, other: Any, where: str = "", limit: int = 60) ->
     """Where ``other`` differs from ``reference``: types, dict keys and their order, tensors by dtype, shape and value
     (NaN equal to NaN), floats (NaN equal to NaN), everything else by ``==``."""
     found: list[str] = []
+    if isinstance(reference, dict) and isinstance(other, dict) and "tree" in reference and "tree" in other:
+        other = {**other, "tree": _reconciled(reference["tree"], other["tree"])}  # two observations
     _diff(reference, other, where, found, limit)
     return found
 

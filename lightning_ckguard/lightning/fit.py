@@ -357,8 +357,10 @@ class GuardedFit:
 
     def removal_allowed(self, previous: str, current: str, dirpath: str | None, fallback: Callable[[], bool]) -> bool:
         """``ModelCheckpoint._should_remove_checkpoint`` (``fallback``) as the storage rules it; what is kept where
-        ``ModelCheckpoint`` removes it (the file the fit resumed from) is remembered as gone for :meth:`file_exists`."""
-        allowed = bool(self.storage.removal_allowed(previous, current, dirpath, self.resumed_from(), fallback))
+        ``ModelCheckpoint`` removes it (the file the fit resumed from) is remembered as gone for :meth:`file_exists`,
+        and a link to it stays, as its dangling link does under ``ModelCheckpoint``."""
+        allowed = bool(self.storage.removal_allowed(previous, current, dirpath, self.resumed_from(), fallback,
+                                                    self._kept))
         if not allowed and fallback():
             self._kept.append(previous)
         return allowed

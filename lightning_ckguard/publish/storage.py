@@ -52,11 +52,10 @@ class LocalStorage:
         ``ModelCheckpoint`` would have removed by now (``removed``: one kept here, the file a fit resumed from, or an
         eviction waiting for the boundary's writes): for ``ModelCheckpoint`` it dangles and does not exist, so a
         ``last`` link to it is moved, not kept beside a new ``last-v1`` (rank 0 looks, in the same one collective)."""
-        gone = {os.path.realpath(p) for p in removed}
-        if not gone:
+        if not removed:
             return fallback()
         seen = strategy.is_global_zero and bool(self.fs.exists(path))
-        local = seen and not (os.path.islink(path) and os.path.realpath(path) in gone)
+        local = seen and not _links_to(path, removed)
         return bool(strategy.reduce_boolean_decision(local, all=False))
 
     def resumed_checkpoint(self, path: str) -> str:
@@ -65,13 +64,15 @@ class LocalStorage:
         return os.path.realpath(path)
 
     def removal_allowed(self, previous: str, current: str, dirpath: str | None, resumed_from: str | None,
-                        fallback: Callable[[], bool]) -> bool:
+                        fallback: Callable[[], bool], removed: Sequence[str] = ()) -> bool:
         """``ModelCheckpoint._should_remove_checkpoint`` (``fallback``), and never the file the fit resumed from
-        (``resumed_from``, as :meth:`resumed_checkpoint` resolved it), whatever link it was resumed through."""
+        (``resumed_from``, as :meth:`resumed_checkpoint` resolved it), whatever link it was resumed through. A link to
+        a checkpoint ``ModelCheckpoint`` would have removed by now (``removed``: kept here) dangles for
+        ``ModelCheckpoint``, whose removal then removes nothing: it stays, as it would there."""
         # a link is removed as ModelCheckpoint removes it (no checkpoint goes with it), the file it points to never
         if resumed_from is not None and not os.path.islink(previous) and os.path.realpath(previous) == resumed_from:
             return False
-        return fallback()
+        return fallback() and not _links_to(previous, removed)
 
     def last_checkpoints(self, dirpath: str, rank: int, is_last_name: Callable[[str], bool],
                          fallback: Callable[[], set[str]], fitting: bool = True) -> set[str]:
@@ -147,8 +148,9 @@ class ObjectStorage:
         return path
 
     def removal_allowed(self, previous: str, current: str, dirpath: str | None, resumed_from: str | None,
-                        fallback: Callable[[], bool]) -> bool:
-        """The rule ``ModelCheckpoint`` applies on local disk (it would remove any path here, Lightning #21813)."""
+                        fallback: Callable[[], bool], removed: Sequence[str] = ()) -> bool:
+        """The rule ``ModelCheckpoint`` applies on local disk (it would remove any path here, Lightning #21813);
+        object storage has no links: ``removed`` changes nothing."""
         return removal_allowed(self.fs, previous, current, dirpath, resumed_from)
 
     def last_checkpoints(self, dirpath: str, rank: int, is_last_name: Callable[[str], bool],
@@ -190,3 +192,8 @@ def storage_for(fs: Any) -> Storage:
 
 
 __all__ = ["LocalStorage", "ObjectStorage", "Storage", "storage_for"]
+
+
+def _links_to(path: str, removed: Sequence[str]) -> bool:
+    """Whether ``path`` is a link to one of the checkpoints ``removed`` (for ``ModelCheckpoint``, a dangling link)."""
+    return bool(removed) and os.path.islink(path) and os.path.realpath(path) in {os.path.realpath(p) for p in removed}

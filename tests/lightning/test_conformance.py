@@ -61,6 +61,8 @@ class Case:
     fits: int = 1  # fits of one side, all into the same root (the second one meets the first one's files)
     same_callback: bool = False  # refit the same callback instance instead of a new one with the same arguments
     mock_save: bool = False  # trainer.save_checkpoint is a Mock: nothing is written
+    resume: str | None = None  # the ckpt_path of every fit after the first ("last", "best")
+    later_trainer: dict[str, Any] | None = None  # the Trainer's arguments for every fit after the first
     ckpt_files: int | None = None  # how many .ckpt files ModelCheckpoint leaves (checks the case tests what it says)
 
 
@@ -176,6 +178,8 @@ def _observe(cls: type[ModelCheckpoint], case: Case, root: str, monkeypatch: pyt
         logger=case.logger,
         mock_save=case.mock_save,
         guarded=cls is not ModelCheckpoint,
+        resume=case.resume,
+        later_trainer_kwargs=case.later_trainer,
     )
     return observe(side, monkeypatch)
 
@@ -279,7 +283,8 @@ def test_a_subclass_removing_a_name_before_writing_it_again_keeps_the_newest_che
     assert guarded["tree"][fixed]["content"]["global_step"] == 4  # the newest checkpoint, not the first epoch's
     # left out: the checkpoint IO's removals. ModelCheckpoint removes the name before writing it; FiniteGradCheckpoint
     # holds the removal until the boundary's writes succeeded, and a name written anew is no eviction
-    found = differences({**plain, "io_removes": None}, {**guarded, "io_removes": None})
+    found = differences({**plain, "io_removes": None, "io_removed": None},
+                        {**guarded, "io_removes": None, "io_removed": None})
     assert not found, "\n".join(found)
 
 

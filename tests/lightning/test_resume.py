@@ -161,3 +161,25 @@ def test_a_last_link_to_a_checkpoint_the_boundary_evicts_moves_as_model_checkpoi
     guarded = _links_after_resumes(FiniteGradCheckpoint, tmp_path / "guarded", fits, losses, save_top_k=2)
     assert guarded == plain
     assert plain[0]["last.ckpt"] == "epoch=2-step=6.ckpt"
+
+
+def _one_callback_resumed_from_last(cls: type[ModelCheckpoint], root) -> tuple[dict[str, str], str]:
+    """One `save_last="link"` top-1 callback: 2 epochs, then resumed from `last` for a third with a better score."""
+    callback = cls(dirpath=root, monitor="val_loss", save_top_k=1, save_last="link")
+    for max_epochs, ckpt_path in [(2, None), (3, "last")]:
+        seed_everything(0)
+        _trainer(callback, max_epochs).fit(FaultyModel(val_losses=[2.0, 3.0, 1.0]), ckpt_path=ckpt_path)
+    return _names_and_links(root), os.path.basename(callback.last_model_path)
+
+
+def test_a_versioned_last_link_to_the_kept_file_a_fit_resumed_from_stays_as_model_checkpoint_leaves_it(tmp_path):
+    # the resumed fit's first `last` is `last-v1.ckpt`, a link (the checkpoint resumed from holds no
+    # `last_model_path`, `last.ckpt` still links to it); epoch 2 evicts that checkpoint: ModelCheckpoint removes it,
+    # moves `last.ckpt`, and its removal of the then dangling `last-v1.ckpt` removes nothing. The file is kept here;
+    # its link must stay too, not go where ModelCheckpoint's stays
+    plain, plain_last = _one_callback_resumed_from_last(ModelCheckpoint, tmp_path / "plain")
+    guarded, guarded_last = _one_callback_resumed_from_last(FiniteGradCheckpoint, tmp_path / "guarded")
+    assert plain == {"epoch=2-step=6.ckpt": "file", "last.ckpt": "epoch=2-step=6.ckpt",
+                     "last-v1.ckpt": "epoch=0-step=2.ckpt"}
+    assert guarded == {**plain, "epoch=0-step=2.ckpt": "file"}  # the file resumed from is kept, nothing more
+    assert guarded_last == plain_last == "last.ckpt"
