@@ -24,6 +24,7 @@ from typing import Any
 from unittest import mock
 
 import lightning.pytorch.callbacks.model_checkpoint as model_checkpoint_module
+import lightning.pytorch.trainer.connectors.logger_connector.result as results_module
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -233,8 +234,9 @@ def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
     os.makedirs(side.root, exist_ok=True)
     clock = FakeClock()
     monkeypatch.setattr(model_checkpoint_module, "time", clock)
-    # ModelCheckpoint warns some things once per process; each side must see them afresh
+    # ModelCheckpoint and the logging of results warn some things once per process; each side must see them afresh
     model_checkpoint_module.warning_cache.clear()
+    results_module.warning_cache.clear()
     callback: ModelCheckpoint | None = None
     loggers: list[RecordingCSVLogger] = []
     ios: list[CountingIO] = []

@@ -12,12 +12,18 @@ The suite runs seeds ``0`` to ``CASES - 1`` (about 0.2 s each). More, from any s
 
 A failing case names its seed (``seed-1234``) and the arguments it drew; ``-k seed-1234`` with the same
 ``CKGUARD_FUZZ_FIRST`` reruns it.
+
+The multiprocess test fits ``CKGUARD_FUZZ_DDP_CASES`` (120) of the same cases under DDP on 2 ranks, in one process
+group (``workers/conformance_fuzz_worker.py``): rank 0's observations (it logs, writes and removes) must match
+``ModelCheckpoint``'s as above, and every rank must end each fit with the same error and the same callback state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +32,7 @@ from conformance_helpers import ROOT, differences
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_conformance import Case, _observe
 
+from conftest import OUT
 from lightning_ckguard import FiniteGradCheckpoint
 
 CASES = int(os.environ.get("CKGUARD_FUZZ_CASES", "120"))
@@ -101,30 +108,53 @@ def _refusal(cls: type[ModelCheckpoint], kwargs: dict[str, Any]) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed-{seed}") for seed in range(FIRST, FIRST + CASES)])
-def test_a_drawn_finite_run_is_indistinguishable_from_model_checkpoint(seed: int, tmp_path, monkeypatch):
+@dataclass
+class Compared:
+    """One drawn case, fitted both ways."""
+
+    case: Case
+    #: where the guard differs from ``ModelCheckpoint`` beyond its documented differences (empty: it does not)
+    differences: list[str]
+    #: per side (``"plain"``, ``"guarded"``): each fit's error and the callback's state at the end, as text; every rank
+    #: of a fit must end with the same (under DDP; a refused case has none)
+    ends: dict[str, dict[str, Any]]
+
+
+def compared(seed: int, root: str, monkeypatch: Any, trainer_extra: dict[str, Any] | None = None) -> Compared:
+    """Draw case ``seed``, fit ``ModelCheckpoint`` and ``FiniteGradCheckpoint`` side by side under ``root`` (with
+    ``trainer_extra`` added to every Trainer's arguments) and compare what a user observes."""
     case = draw(seed)
-    refused = _refusal(ModelCheckpoint, case.callback)
-    assert _refusal(FiniteGradCheckpoint, case.callback) == refused, f"seed {seed}: {case}"
-    if refused is not None:
-        return
-    plain = _observe(ModelCheckpoint, case, str(tmp_path / "plain"), monkeypatch)
-    guarded = _observe(FiniteGradCheckpoint, case, str(tmp_path / "guarded"), monkeypatch)
+    if trainer_extra:
+        later = case.later_trainer and {**case.later_trainer, **trainer_extra}
+        case = dataclasses.replace(case, trainer={**case.trainer, **trainer_extra}, later_trainer=later)
+    refused, refused_here = _refusal(ModelCheckpoint, case.callback), _refusal(FiniteGradCheckpoint, case.callback)
+    if refused is not None or refused_here is not None:
+        return Compared(case, [] if refused_here == refused else [f"refused: {refused}, here {refused_here}"], {})
+    plain = _observe(ModelCheckpoint, case, os.path.join(root, "plain"), monkeypatch)
+    guarded = _observe(FiniteGradCheckpoint, case, os.path.join(root, "guarded"), monkeypatch)
+    ends = {name: {"errors": side["errors"], "state": repr(side["state_dict"])}
+            for name, side in (("plain", plain), ("guarded", guarded))}
     deviation = _documented_deviation(plain, guarded)
     if deviation == _DROPPED_ENTRIES:
         # from there on the top-K choices may differ; what the guard promises instead must hold
-        _assert_the_guards_ledger_is_on_disk(guarded, f"seed {seed} ({deviation}): {case}")
-        return
+        missing = _missing_from_disk(guarded)
+        return Compared(case, [f"({deviation}) listed or resumed from, not on disk: {path}" for path in missing], ends)
     if deviation == _KEPT:
         # the same in every other way: only the file stays, which ModelCheckpoint removed
         kept = set(plain["resumed_from"]) & set(plain["io_removed"])
         plain, guarded = ({**side, "io_removes": None, "io_removed": None} for side in (plain, guarded))
         guarded["tree"] = {path: _as_if_removed(path, entry, kept) for path, entry in guarded["tree"].items()
                            if os.path.join(ROOT, path) not in kept}
-    found = differences(plain, guarded)
-    assert not found, (
-        f"seed {seed}: {case}\nFiniteGradCheckpoint differs from ModelCheckpoint in {len(found)} place(s) (reference "
-        f"first; paths relative to {ROOT}):\n" + "\n".join(found)
+    return Compared(case, differences(plain, guarded), ends)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed-{seed}") for seed in range(FIRST, FIRST + CASES)])
+def test_a_drawn_finite_run_is_indistinguishable_from_model_checkpoint(seed: int, tmp_path, monkeypatch):
+    outcome = compared(seed, str(tmp_path), monkeypatch)
+    assert not outcome.differences, (
+        f"seed {seed}: {outcome.case}\nFiniteGradCheckpoint differs from ModelCheckpoint in "
+        f"{len(outcome.differences)} place(s) (reference first; paths relative to {ROOT}):\n"
+        + "\n".join(outcome.differences)
     )
 
 
@@ -157,9 +187,8 @@ _KEPT = "ModelCheckpoint evicted the checkpoint it resumed from"
 _DROPPED_ENTRIES = "the resumed state listed checkpoints gone from disk"
 
 
-def _assert_the_guards_ledger_is_on_disk(guarded: dict[str, Any], where: str) -> None:
-    """Every checkpoint the guard's ledger lists, and every checkpoint a fit resumed from, is on disk (a ``last``
-    link resolving)."""
+def _missing_from_disk(guarded: dict[str, Any]) -> list[str]:
+    """What the guard's ledger lists, or a fit resumed from, that is not on disk (a ``last`` link must resolve)."""
     def on_disk(path: str) -> bool:
         entry = guarded["tree"].get(os.path.relpath(path, ROOT))
         return entry is not None and entry.get("resolves", True)
@@ -167,5 +196,23 @@ def _assert_the_guards_ledger_is_on_disk(guarded: dict[str, Any], where: str) ->
     state = guarded["state_dict"]
     listed = [*state["best_k_models"], state["best_model_path"], state["last_model_path"]]
     resumed = [path for path in guarded["resumed_from"] if path]
-    missing = [path for path in [*listed, *resumed] if path and not on_disk(path)]
-    assert not missing, f"{where}\nlisted or resumed from, not on disk: {missing}"
+    return [path for path in [*listed, *resumed] if path and not on_disk(path)]
+
+
+#: Seeds fitted under DDP on 2 ranks (about 0.2 s each): ``CKGUARD_FUZZ_DDP_CASES``, from ``CKGUARD_FUZZ_FIRST``.
+DDP_CASES = int(os.environ.get("CKGUARD_FUZZ_DDP_CASES", "120"))
+
+
+@pytest.mark.multiprocess
+def test_drawn_runs_under_ddp_are_indistinguishable_from_model_checkpoint_and_end_alike_on_every_rank(worker_results):
+    launch = worker_results("workers/conformance_fuzz_worker.py", [OUT, str(FIRST), str(DDP_CASES)],
+                            timeout=120 + 3 * DDP_CASES)
+    first, second = ({name: result for name, result in rank.items() if name != "process-group"}
+                     for rank in launch.ranks)
+    assert list(first) == list(second) == [f"seed-{seed}" for seed in range(FIRST, FIRST + DDP_CASES)]
+    found = [f"{seed}: {result['case']}\n" + "\n".join(result["differences"])
+             for seed, result in first.items() if result["differences"]]
+    assert not found, "FiniteGradCheckpoint differs from ModelCheckpoint under DDP (rank 0):\n" + "\n".join(found)
+    for seed in first:
+        assert first[seed]["ends"] == second[seed]["ends"], f"{seed}: the ranks ended differently"
+    assert sum(bool(result["ends"]) for result in first.values()) >= DDP_CASES // 2  # most cases are fitted
