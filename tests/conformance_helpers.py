@@ -33,7 +33,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
 
-from helpers import QUIET, hook_writes
+from helpers import QUIET, hook_writes, ledger_state, tree_digest
 
 #: The logger ``rank_zero_info`` writes to: ModelCheckpoint's verbose lines.
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
@@ -86,7 +86,9 @@ class ScriptedModel(BoringModel):
     ``val_check_interval``); ``train_values[global_step]`` is logged as ``train_key`` in every training step. Each
     training batch advances ``clock`` by ``seconds_per_batch``. With ``manual``, the model optimizes manually; with
     ``keep_pre_step_state`` as well, it keeps ``saved_models`` (the pre-optimization state ModelCheckpoint saves for
-    manual optimization). ``raise_at_step`` raises a ``RuntimeError`` in that global step.
+    manual optimization). ``raise_at_step`` raises a ``RuntimeError`` in that global step. ``nan_at_step`` writes a
+    ``NaN`` into one gradient element after each backward of that global step, on ``nan_ranks``; right before, on
+    every rank, it keeps what the checkpoint callback has published (``before_nan``: its directory, its ledger).
     """
 
     def __init__(
@@ -100,6 +102,8 @@ class ScriptedModel(BoringModel):
         manual: bool = False,
         keep_pre_step_state: bool = False,
         raise_at_step: int | None = None,
+        nan_at_step: int | None = None,
+        nan_ranks: Sequence[int] = (0,),
     ) -> None:
         super().__init__()
         self.val_values = val_values
@@ -111,6 +115,9 @@ class ScriptedModel(BoringModel):
         self.automatic_optimization = not manual
         self.keep_pre_step_state = keep_pre_step_state
         self.raise_at_step = raise_at_step
+        self.nan_at_step = nan_at_step
+        self.nan_ranks = tuple(nan_ranks)
+        self.before_nan: dict[str, Any] | None = None
         self.validation_runs = 0
         self.resumed_from: str | None = None
 
@@ -149,6 +156,19 @@ class ScriptedModel(BoringModel):
 
     def on_validation_epoch_end(self) -> None:
         self.validation_runs += 1
+
+    def on_after_backward(self) -> None:
+        if self.global_step != self.nan_at_step:
+            return
+        # each micro-batch's: a boundary may come between two (validation in the middle of an accumulation)
+        self.before_nan = published(self.trainer.checkpoint_callback)
+        if self.global_rank in self.nan_ranks:
+            self.layer.weight.grad.view(-1)[0] = float("nan")
+
+
+def published(callback: Any) -> dict[str, Any]:
+    """What ``callback`` has published: its directory's entries (content hashes, link targets) and its ledger."""
+    return {"files": tree_digest(callback.dirpath), "ledger": ledger_state(callback)}
 
 
 class CountingIO(TorchCheckpointIO):
@@ -227,6 +247,8 @@ class Side:
     resume: str | None = None
     #: what the Trainer of every fit after the first takes instead of ``trainer_kwargs`` (a resumed fit trains on)
     later_trainer_kwargs: dict[str, Any] | None = None
+    #: what the last fit's model takes on top of ``model_kwargs`` (a fault in it)
+    last_model_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
@@ -264,7 +286,8 @@ def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
             else:
                 save = _counting(trainer.save_checkpoint)
                 trainer.save_checkpoint = save
-            model = ScriptedModel(clock=clock, **side.model_kwargs)
+            last = side.last_model_kwargs if fit == side.fits - 1 else {}
+            model = ScriptedModel(clock=clock, **{**side.model_kwargs, **last})
             try:
                 trainer.fit(model, ckpt_path=side.resume if fit else None)
                 errors.append(None)
@@ -277,7 +300,10 @@ def observe(side: Side, monkeypatch: Any) -> dict[str, Any]:
             else:
                 save_calls += save.calls
     assert callback is not None
+    # with a fault in the last fit: what its callback had published before the NaN (None: none came), and at the end
+    fault = dict(before_nan=model.before_nan, published=published(callback)) if side.last_model_kwargs else {}
     observation = {
+        **fault,
         "errors": errors,
         "resumed_from": resumed_from,
         "tree": tree(side.root, side.guarded),

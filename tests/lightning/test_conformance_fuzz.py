@@ -16,6 +16,10 @@ A failing case names its seed (``seed-1234``) and the arguments it drew; ``-k se
 The multiprocess test fits ``CKGUARD_FUZZ_DDP_CASES`` (120) of the same cases under DDP on 2 ranks, in one process
 group (``workers/conformance_fuzz_worker.py``): rank 0's observations (it logs, writes and removes) must match
 ``ModelCheckpoint``'s as above, and every rank must end each fit with the same error and the same callback state.
+
+``test_a_drawn_run_with_a_nan_publishes_nothing_from_the_nan_on`` fits the guard alone on the same cases with a
+``NaN`` gradient in one step of the last fit (on rank 1 alone in the multiprocess test): from that step on nothing it
+published changes, and the fit raises ``NonFiniteGradientError`` (or the case's own scripted failure first).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conformance_helpers import ROOT, differences
+from conformance_helpers import ROOT, Side, differences, observe
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_conformance import Case, _observe
 
@@ -158,6 +162,69 @@ def test_a_drawn_finite_run_is_indistinguishable_from_model_checkpoint(seed: int
     )
 
 
+@dataclass
+class Rejected:
+    """One drawn case fitted with ``FiniteGradCheckpoint`` alone and a ``NaN`` gradient in its last fit."""
+
+    case: Case
+    nan_at_step: int
+    #: what the callback had published right before the NaN (None: the fit never reached that step)
+    before: dict[str, Any] | None
+    #: what it had published at the end, as ``before``
+    after: dict[str, Any] | None
+    #: how the last fit ended (None: normally)
+    error: str | None
+
+
+def rejected(seed: int, root: str, monkeypatch: Any, trainer_extra: dict[str, Any] | None = None,
+             nan_ranks: tuple[int, ...] = (0,)) -> Rejected | None:
+    """Draw case ``seed`` (None where ``ModelCheckpoint`` refuses its arguments), put a ``NaN`` gradient into one
+    step of its last fit on ``nan_ranks``, and fit ``FiniteGradCheckpoint`` (``on_non_finite="raise"``)."""
+    case = draw(seed)
+    if _refusal(ModelCheckpoint, case.callback) is not None:
+        return None
+    if trainer_extra:
+        later = case.later_trainer and {**case.later_trainer, **trainer_extra}
+        case = dataclasses.replace(case, trainer={**case.trainer, **trainer_extra}, later_trainer=later)
+    loop = case.later_trainer or case.trainer
+    steps = min(loop.get("max_steps") or 10**6, loop["max_epochs"] * loop["limit_train_batches"])
+    nan_at_step = random.Random(f"nan {seed}").randrange(steps)
+    kwargs = dict(case.callback, verbose=True)
+    if case.dirpath:
+        kwargs["dirpath"] = os.path.join(root, "checkpoints")
+    side = Side(root=root, make_callback=lambda: FiniteGradCheckpoint(**kwargs), trainer_kwargs=case.trainer,
+                model_kwargs=case.model, fits=case.fits, same_callback=case.same_callback, logger=case.logger,
+                guarded=True, resume=case.resume, later_trainer_kwargs=case.later_trainer,
+                last_model_kwargs=dict(nan_at_step=nan_at_step, nan_ranks=nan_ranks))
+    seen = observe(side, monkeypatch)
+    return Rejected(case, nan_at_step, seen["before_nan"], seen["published"], seen["errors"][-1])
+
+
+def what_the_rejection_changed(outcome: Rejected) -> list[str]:
+    """Where a run with a ``NaN`` breaks the guard's promise: from the step of the ``NaN`` on, nothing it published
+    changes (files, links, ledger: the fit's next saving boundary is rejected, and so is a save at an exception), and
+    the fit does not end normally (the ``NaN`` is judged at the latest when training ends). ``ModelCheckpoint``'s
+    ``_defer_save_until_validation`` is left out: a step boundary that saves nothing (before validation) sets it,
+    and a rejection leaves it as that boundary did."""
+    if outcome.before is None:
+        return []
+    before, after = ({**published, "ledger": {**published["ledger"], "defer_save_until_validation": None}}
+                     for published in (outcome.before, outcome.after))
+    found = differences(before, after)
+    scripted = outcome.case.model.get("raise_at_step") is not None and (outcome.error or "").startswith(
+        "RuntimeError: scripted failure")
+    if not (outcome.error or "").startswith("NonFiniteGradientError") and not scripted:
+        found.append(f"the fit ended with {outcome.error!r}, not a NonFiniteGradientError")
+    return found
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed-{seed}") for seed in range(FIRST, FIRST + CASES)])
+def test_a_drawn_run_with_a_nan_publishes_nothing_from_the_nan_on(seed: int, tmp_path, monkeypatch):
+    outcome = rejected(seed, str(tmp_path), monkeypatch)
+    found = [] if outcome is None else what_the_rejection_changed(outcome)
+    assert not found, f"seed {seed}, NaN at step {outcome.nan_at_step}: {outcome.case}\n" + "\n".join(found)
+
+
 def _as_if_removed(path: str, entry: dict[str, Any], kept: set[str]) -> dict[str, Any]:
     """A tree entry as it would be had ``kept`` been removed: a link to one of them dangles (and stays: a dangling
     link's removal removes nothing)."""
@@ -199,7 +266,7 @@ def _missing_from_disk(guarded: dict[str, Any]) -> list[str]:
     return [path for path in [*listed, *resumed] if path and not on_disk(path)]
 
 
-#: Seeds fitted under DDP on 2 ranks (about 0.2 s each): ``CKGUARD_FUZZ_DDP_CASES``, from ``CKGUARD_FUZZ_FIRST``.
+#: Seeds fitted under DDP on 2 ranks (about 0.3 s each): ``CKGUARD_FUZZ_DDP_CASES``, from ``CKGUARD_FUZZ_FIRST``.
 DDP_CASES = int(os.environ.get("CKGUARD_FUZZ_DDP_CASES", "120"))
 
 
@@ -216,3 +283,11 @@ def test_drawn_runs_under_ddp_are_indistinguishable_from_model_checkpoint_and_en
     for seed in first:
         assert first[seed]["ends"] == second[seed]["ends"], f"{seed}: the ranks ended differently"
     assert sum(bool(result["ends"]) for result in first.values()) >= DDP_CASES // 2  # most cases are fitted
+    # with a NaN on rank 1 alone: nothing published from it on, as each rank sees it, and every rank ends alike
+    for seed in first:
+        nan, nan_on_1 = first[seed]["nan"], second[seed]["nan"]
+        assert (nan and nan["changed"], nan_on_1 and nan_on_1["changed"]) in ((None, None), ([], [])), (
+            f"{seed}, NaN on rank 1 at step {nan['step']}: {first[seed]['case']}\nrank 0: {nan['changed']}\n"
+            f"rank 1: {nan_on_1['changed']}")
+        assert nan is None or nan == {**nan_on_1, "changed": nan["changed"]}, f"{seed}: the ranks ended differently"
+    assert sum(bool(result["nan"] and result["nan"]["reached"]) for result in first.values()) >= DDP_CASES // 2
