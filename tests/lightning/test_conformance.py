@@ -63,6 +63,7 @@ class Case:
     mock_save: bool = False  # trainer.save_checkpoint is a Mock: nothing is written
     resume: str | None = None  # the ckpt_path of every fit after the first ("last", "best")
     later_trainer: dict[str, Any] | None = None  # the Trainer's arguments for every fit after the first
+    last_model: dict[str, Any] = field(default_factory=dict)  # what the last fit's model takes on top of `model`
     ckpt_files: int | None = None  # how many .ckpt files ModelCheckpoint leaves (checks the case tests what it says)
 
 
@@ -180,6 +181,7 @@ def _observe(cls: type[ModelCheckpoint], case: Case, root: str, monkeypatch: pyt
         guarded=cls is not ModelCheckpoint,
         resume=case.resume,
         later_trainer_kwargs=case.later_trainer,
+        last_model_kwargs=case.last_model,
     )
     return observe(side, monkeypatch)
 

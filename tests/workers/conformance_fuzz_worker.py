@@ -6,8 +6,8 @@ Lightning's subprocess script launcher starts rank 1 by re-running this script. 
 ``OUT_DIR/rank{N}.json``, per seed, what it found different (rank 0's is the comparison: it logs, writes and removes)
 and how each side's fits ended on it (each fit's error and the callback's state), which every rank must share; then
 fits the guard again with a ``NaN`` gradient on rank 1 alone (``OUT_DIR/seed-N-nan/``) and writes what the rejection
-changed, as each rank saw it, and how the fit ended there. The
-Trainer's default DDP timeout applies; the test's wall-clock kill turns a deadlock into a failure.
+changed, as each rank saw it, and how the fit ended there. The Trainer's default DDP timeout applies; the test's
+wall-clock kill turns a deadlock into a failure.
 """
 
 from __future__ import annotations
