@@ -34,9 +34,17 @@ has just written them).
                AdamW, 40 rounds
   mlp          end_to_end.py's 784-2048-2048-10 MLP (5.8M parameters), batch 256, AdamW, 200 rounds
 
+Part 3, reads (timed, take the lock): why the gate's second read costs what it does inside a training step. In each
+training step of the model (forward, backward, then this, then the optimizer step), every full piece of the large fp32
+gradients is read by a sequence of kernels, one after the other on the same piece, and each position of the sequence
+is timed, summed over the pieces. The library's gate-on order is "probe, dot" (its exact read, then the squares from
+cache); a third read of the same piece shows what a read from the core's cache costs there; the sequences take turns
+step by step.
+
     python benchmarks/spike_gate.py --threads 1 --parts fp sanity     # part 1, ~15 min (not timed: no lock)
     python benchmarks/spike_gate.py --parts fp --steps 300 --seeds 0  # a quick look
     flock /tmp/mp.lock python benchmarks/spike_gate.py --parts cost   # part 2, timed, ~5 min on 2 cores
+    flock /tmp/mp.lock python benchmarks/spike_gate.py --parts reads --models mlp  # part 3, ~1 min
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from _common import CountOps, interleaved, machine, median, ms, ratio_rows, tabl
 
 from lightning_ckguard import GradientGuard  # noqa: E402
 from lightning_ckguard.agree.spikes import SpikeGate, global_values, scores  # noqa: E402
-from lightning_ckguard.record.finiteness import NonFiniteCheck  # noqa: E402
+from lightning_ckguard.record.finiteness import PIECE_NUMEL, PROBE_WIDTH, NonFiniteCheck  # noqa: E402
 from lightning_ckguard.record.squares import FlagsAndSquares, _squares_in_own_precision  # noqa: E402
 from lightning_ckguard.record.step_values import StepValues  # noqa: E402
 
@@ -553,9 +561,74 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
     model.zero_grad()
 
 
+# ---------------------------------------------------------------------- part 3: reads
+
+
+def reads(args: argparse.Namespace) -> None:
+    print("## 3. One piece read after another, inside a training step\n")
+    for name in args.models:
+        reads_one(name, args)
+
+
+def reads_one(name: str, args: argparse.Namespace) -> None:
+    model, batches = cost_model(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scale = torch.full((PROBE_WIDTH,), 2.0 ** -13)
+    probe_out = torch.empty(PIECE_NUMEL // PROBE_WIDTH)
+    extremes, dot_out = torch.empty(2), torch.empty(())
+
+    def probe(piece: Tensor) -> None:  # the library's probe of a full piece
+        torch.mv(piece.view(-1, PROBE_WIDTH), scale, out=probe_out)
+
+    def dot(piece: Tensor) -> None:
+        torch.dot(piece, piece, out=dot_out)
+
+    def aminmax(piece: Tensor) -> None:
+        torch.aminmax(piece, out=(extremes[0], extremes[1]))
+
+    kernels = {"probe": probe, "dot": dot, "aminmax": aminmax}
+    sequences = [("probe", "dot", "dot"), ("dot", "probe", "dot"), ("dot", "dot"), ("aminmax", "dot", "dot"),
+                 ("probe", "probe")]
+    times: dict[tuple[str, ...], list[list[float]]] = {seq: [[] for _ in seq] for seq in sequences}
+    steps: list[float] = []
+    for repeat in range(args.cost_warmup + args.read_rounds):
+        for seq in sequences if repeat % 2 == 0 else reversed(sequences):
+            start = time.perf_counter()
+            model(batches[repeat % len(batches)]).backward()
+            spent = [0.0] * len(seq)
+            for param in model.parameters():
+                if param.grad is None or param.grad.dtype != torch.float32 or param.grad.numel() < PIECE_NUMEL:
+                    continue
+                for piece in param.grad.view(-1).split(PIECE_NUMEL):
+                    if piece.numel() != PIECE_NUMEL:
+                        continue
+                    for position, kernel in enumerate(seq):
+                        before = time.perf_counter()
+                        kernels[kernel](piece)
+                        spent[position] += time.perf_counter() - before
+            optimizer.step()
+            optimizer.zero_grad()
+            if repeat >= args.cost_warmup:
+                steps.append(time.perf_counter() - start)
+                for position, seconds in enumerate(spent):
+                    times[seq][position].append(seconds)
+    full = sum(p.numel() // PIECE_NUMEL for p in model.parameters() if p.dtype == torch.float32)
+    step = median(steps)
+    print(f"### {name}: {full} full pieces of {PIECE_NUMEL * 4 >> 20} MiB, {args.read_rounds} rounds, median step "
+          f"{ms(step)} ms (with the reads)\n")
+    rows = []
+    for seq in sequences:
+        cells = [f"{kernel} {ms(median(times[seq][i]))}" for i, kernel in enumerate(seq)]
+        second = median(times[seq][1])
+        rows.append([", ".join(seq), " / ".join(cells), ms(second), f"{100 * second / step:.2f}%"])
+    print(table(["sequence", "median ms per position (all pieces)", "second read ms", "second read / step"], rows))
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["fp", "sanity", "cost"], choices=["fp", "sanity", "cost"])
+    parser.add_argument("--parts", nargs="+", default=["fp", "sanity", "cost"],
+                        choices=["fp", "sanity", "cost", "reads"])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per false-positive run")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -567,6 +640,7 @@ def main() -> None:
     parser.add_argument("--cost-warmup", type=int, default=3)
     parser.add_argument("--count-steps", type=int, default=3)
     parser.add_argument("--piece-repeats", type=int, default=25)
+    parser.add_argument("--read-rounds", type=int, default=60, help="timed rounds of the read sequences")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -577,6 +651,8 @@ def main() -> None:
         sanity(args)
     if "cost" in args.parts:
         cost(args)
+    if "reads" in args.parts:
+        reads(args)
 
 
 if __name__ == "__main__":
