@@ -37,9 +37,9 @@ has just written them).
 Part 3, reads (timed, take the lock): why the gate's second read costs what it does inside a training step. In each
 training step of the model (forward, backward, then this, then the optimizer step), every full piece of the large fp32
 gradients is read by a sequence of kernels, one after the other on the same piece, and each position of the sequence
-is timed, summed over the pieces. The library's gate-on order is "probe, dot" (its exact read, then the squares from
-cache); a third read of the same piece shows what a read from the core's cache costs there; the sequences take turns
-step by step.
+is timed, summed over the pieces. The library's gate-on order is "probe, dot" or "aminmax, dot" (its exact read,
+whichever its calibration chose, then the squares from cache); a third read of the same piece shows what a read from
+the core's cache costs there; the sequences take turns step by step.
 
     python benchmarks/spike_gate.py --threads 1 --parts fp sanity     # part 1, ~15 min (not timed: no lock)
     python benchmarks/spike_gate.py --parts fp --steps 300 --seeds 0  # a quick look
