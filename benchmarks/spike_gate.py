@@ -54,6 +54,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -404,15 +405,20 @@ def one_pass_guard(model: nn.Module) -> GradientGuard:
 ROWS = ("no guard", "gate off", "gate on", "gate on, one pass (proposal)")
 
 
-def cost(args: argparse.Namespace) -> None:
-    print("## 2. Cost per training step: the gate on vs off\n")
+def for_each_model(heading: str, part: Callable[[str, argparse.Namespace], None], args: argparse.Namespace) -> None:
+    print(f"{heading}\n")
     for name in args.models:
-        cost_one(name, args)
+        part(name, args)
+
+
+def training(name: str) -> tuple[nn.Module, object, torch.optim.Optimizer]:
+    """A cost model, its batches and its optimizer (AdamW)."""
+    model, batches = cost_model(name)
+    return model, batches, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def cost_one(name: str, args: argparse.Namespace) -> None:
-    model, batches = cost_model(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, batches, optimizer = training(name)
     guards = {"no guard": None, "gate off": GradientGuard(model),
               "gate on": GradientGuard(model, spike_gate=SpikeGate()),
               "gate on, one pass (proposal)": one_pass_guard(model)}
@@ -564,15 +570,8 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------- part 3: reads
 
 
-def reads(args: argparse.Namespace) -> None:
-    print("## 3. One piece read after another, inside a training step\n")
-    for name in args.models:
-        reads_one(name, args)
-
-
 def reads_one(name: str, args: argparse.Namespace) -> None:
-    model, batches = cost_model(name)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, batches, optimizer = training(name)
     scale = torch.full((PROBE_WIDTH,), 2.0 ** -13)
     probe_out = torch.empty(PIECE_NUMEL // PROBE_WIDTH)
     extremes, dot_out = torch.empty(2), torch.empty(())
@@ -650,9 +649,9 @@ def main() -> None:
     if "sanity" in args.parts:
         sanity(args)
     if "cost" in args.parts:
-        cost(args)
+        for_each_model("## 2. Cost per training step: the gate on vs off", cost_one, args)
     if "reads" in args.parts:
-        reads(args)
+        for_each_model("## 3. One piece read after another, inside a training step", reads_one, args)
 
 
 if __name__ == "__main__":
