@@ -9,6 +9,9 @@ spike gate (whose one fused float64 2-norm gives both the flags and the sum of s
     python benchmarks/gpu_overhead.py                      # ~1.2B bf16 parameters (~2.4 GB grads + 2.4 GB params)
     python benchmarks/gpu_overhead.py --billions 0.3       # smaller GPUs
 
+Issue 28's own cost figure on a GPU (the step time with the spike gate on against off, on the benchmark MLP and
+transformer) is ``python benchmarks/spike_gate.py --parts cost --device cuda`` (also prepared, not yet run).
+
 Expected on an H100/H200-class GPU (to be confirmed): the fused ``_foreach_norm(inf)`` streams the gradients once at
 close to memory bandwidth, i.e. within ~1.25x of the per-tensor sum and a few percent of the AdamW step.
 """

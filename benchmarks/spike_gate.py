@@ -45,6 +45,11 @@ the core's cache costs there; the sequences take turns step by step.
     python benchmarks/spike_gate.py --parts fp --steps 300 --seeds 0  # a quick look
     flock /tmp/mp.lock python benchmarks/spike_gate.py --parts cost   # part 2, timed, ~5 min on 2 cores
     flock /tmp/mp.lock python benchmarks/spike_gate.py --parts reads --models mlp  # part 3, ~1 min
+    python benchmarks/spike_gate.py --parts cost --device cuda --mlp-rounds 400 --transformer-rounds 100
+
+``--device cuda`` (prepared, not yet run: no GPU was lent to the task that wrote it) trains part 2's models on the GPU,
+times the steps and the record call with CUDA events read after each step, and counts the host syncs of the counted
+record calls (``torch.cuda.set_sync_debug_mode("warn")``); there the gate is one fused float64 norm pass.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -363,14 +370,49 @@ class MLP(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def cost_model(name: str) -> tuple[nn.Module, object]:
+def cost_model(name: str, device: torch.device | str = "cpu") -> tuple[nn.Module, object]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     if name == "transformer":
-        batches = [torch.randint(0, 8192, (8, 129), generator=g) for _ in range(4)]
-        return TinyLM(), batches
-    batches = [(torch.randn(256, 784, generator=g), torch.randint(0, 10, (256,), generator=g)) for _ in range(4)]
-    return MLP(), batches
+        batches: list = [torch.randint(0, 8192, (8, 129), generator=g).to(device) for _ in range(4)]
+        return TinyLM().to(device), batches
+    batches = [(torch.randn(256, 784, generator=g).to(device), torch.randint(0, 10, (256,), generator=g).to(device))
+               for _ in range(4)]
+    return MLP().to(device), batches
+
+
+class StepClock:
+    """Marks inside a training step and the seconds between them: the host's clock on a CPU; on CUDA, events on the
+    current stream, read once the step has finished, so that timing adds no host sync inside the step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: object, end: object) -> float:
+        """Between two marks; on CUDA this waits for ``end``."""
+        if not self.cuda:
+            return end - start  # type: ignore[operator]
+        end.synchronize()  # type: ignore[attr-defined]
+        return start.elapsed_time(end) / 1e3  # type: ignore[attr-defined]
+
+    def settled(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn``, and on CUDA a wait for what it launched, for a host clock to time it."""
+        if not self.cuda:
+            return fn
+
+        def run() -> object:
+            result = fn()
+            torch.cuda.synchronize()
+            return result
+
+        return run
 
 
 class OnePassSquares:
@@ -411,14 +453,32 @@ def for_each_model(heading: str, part: Callable[[str, argparse.Namespace], None]
         part(name, args)
 
 
-def training(name: str) -> tuple[nn.Module, object, torch.optim.Optimizer]:
-    """A cost model, its batches and its optimizer (AdamW)."""
-    model, batches = cost_model(name)
+@contextmanager
+def host_syncs(clock: StepClock) -> Iterator[list[warnings.WarningMessage]]:
+    """On CUDA, the host syncs inside, as the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` (counted, so that
+    one found is a figure, not a run lost); elsewhere none are looked for."""
+    if not clock.cuda:
+        yield []
+        return
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def training(name: str, args: argparse.Namespace) -> tuple[nn.Module, object, torch.optim.Optimizer]:
+    """A cost model on ``--device``, its batches and its optimizer (AdamW)."""
+    model, batches = cost_model(name, args.device)
     return model, batches, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def cost_one(name: str, args: argparse.Namespace) -> None:
-    model, batches, optimizer = training(name)
+    model, batches, optimizer = training(name, args)
+    clock = StepClock(torch.device(args.device))
     guards = {"no guard": None, "gate off": GradientGuard(model),
               "gate on": GradientGuard(model, spike_gate=SpikeGate()),
               "gate on, one pass (proposal)": one_pass_guard(model)}
@@ -429,18 +489,19 @@ def cost_one(name: str, args: argparse.Namespace) -> None:
     def step(row: str, timed_record: bool = True) -> float:
         batch = batches[counter[0] % len(batches)]
         counter[0] += 1
-        start = time.perf_counter()
+        start = clock.mark()
         loss = model(batch)
         loss.backward()
         guard = guards[row]
         if guard is not None:
-            before = time.perf_counter()
+            before = clock.mark()
             guard.record(optimizer, step=recorded[row], loss=loss.detach())
-            if timed_record:
-                record_times[row].append(time.perf_counter() - before)
+            after = clock.mark()
         optimizer.step()
         optimizer.zero_grad()
-        elapsed = time.perf_counter() - start
+        elapsed = clock.seconds(start, clock.mark())
+        if guard is not None and timed_record:
+            record_times[row].append(clock.seconds(before, after))
         if guard is not None:
             recorded[row] += 1
             if recorded[row] % 50 == 0:  # a boundary, outside the timed step
@@ -459,6 +520,7 @@ def cost_one(name: str, args: argparse.Namespace) -> None:
             times[row].append(step(row))
     # host reads and collectives, over a few steps of each row
     counts = {}
+    record_syncs: dict[str, int] = {}
     for row in ROWS:
         guard = guards[row]
         with CountOps() as whole:
@@ -468,9 +530,10 @@ def cost_one(name: str, args: argparse.Namespace) -> None:
         if guard is not None:
             loss = model(batches[0])
             loss.backward()
-            with record_ops:
+            with record_ops, host_syncs(clock) as syncs:
                 for i in range(args.count_steps):
                     guard.record(optimizer, step=10**6 + i, loss=loss.detach())
+            record_syncs[row] = sum("synchroniz" in str(w.message) for w in syncs)
             optimizer.zero_grad()
             guard.agree(None, global_step=10**6)
             guard.reset()
@@ -486,7 +549,8 @@ def cost_one(name: str, args: argparse.Namespace) -> None:
         record_ops = counts[name_][1]
         row.append("-" if guards[name_] is None else
                    f"{record_ops.host_reads / args.count_steps:g} / {record_ops.collectives / args.count_steps:g}"
-                   f" ({len(record_ops.names) / args.count_steps:g} ops)")
+                   f" ({len(record_ops.names) / args.count_steps:g} ops)"
+                   + (f", {record_syncs[name_] / args.count_steps:g} CUDA syncs" if clock.cuda else ""))
         row.append(ms(median(record_times[name_])) if name_ in record_times else "-")
     print(table(["row", "median step ms", "vs gate off", "min ms", "min vs gate off", "note",
                  "host reads / collectives per step (whole step)", "per record call", "record ms (median)"],
@@ -506,7 +570,7 @@ def cost_one(name: str, args: argparse.Namespace) -> None:
     print(f"The one-pass proposal: per-round ratio {median(paired):.4f} ({low:.4f}-{high:.4f}), record "
           f"{ms(median(record_times[proposal]))} ms, +{ms(extra)} ms = implied step ratio "
           f"{1 + extra / median(times['gate off']):.4f}.\n")
-    pieces(model, batches, args)
+    pieces(model, batches, args, clock)
 
 
 def bootstrap(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -515,20 +579,20 @@ def bootstrap(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
     return medians[int(0.05 * draws)], medians[int(0.95 * draws) - 1]
 
 
-def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
+def pieces(model: nn.Module, batches: object, args: argparse.Namespace, clock: StepClock) -> None:
     """Where the gate's record cost goes, on this model's own gradients: each piece timed interleaved."""
     loss = model(batches[0])
     loss.backward()
     grads = [p.grad for p in model.parameters()]
-    cpu = torch.device("cpu")
+    device = grads[0].device
     check = NonFiniteCheck()
-    flags = check(grads, cpu)
-    one_pass = OnePassSquares(None)
+    flags = check(grads, device)
+    one_pass = OnePassSquares(FlagsAndSquares())  # the library's path where the proposal does not apply
     flags_and_squares = FlagsAndSquares()
     off = GradientGuard(model)
     on = GradientGuard(model, spike_gate=SpikeGate())
-    values = StepValues(cpu)
-    squares = torch.zeros((), dtype=torch.float64)
+    values = StepValues(device)
+    squares = torch.zeros((), dtype=torch.float64, device=device)
     invalid = flags.any()
     steps = [0]
     detached = loss.detach()
@@ -548,18 +612,18 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
     rows = {
         "record, gate off": lambda: off.record(step=0),
         "record, gate on": record_on,
-        "NonFiniteCheck (flags; the gate off)": lambda: check(grads, cpu),
-        "flags and squares (the gate on: a dot per piece)": lambda: flags_and_squares(grads, cpu),
-        "squares in a pass of their own (whole tensors)": lambda: _squares_in_own_precision(grads, cpu),
+        "NonFiniteCheck (flags; the gate off)": lambda: check(grads, device),
+        "flags and squares (the gate on: a dot per piece)": lambda: flags_and_squares(grads, device),
+        "squares in a pass of their own (whole tensors)": lambda: _squares_in_own_precision(grads, device),
         "squares: _foreach_norm fp32": lambda: torch._foreach_norm(grads, 2),
         "squares: _foreach_norm fp64": lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)),
-        "proposal: flags and squares, one fp32 pass": lambda: one_pass(grads, cpu),
+        "proposal: flags and squares, one fp32 pass": lambda: one_pass(grads, device),
         "squares: per-tensor dot (BLAS sdot), fp32": lambda: torch.stack([torch.dot(g.view(-1), g.view(-1))
                                                                           for g in grads]),
         "StepValues record_step + loss": step_values,
         "floor: per-tensor sum": lambda: [g.sum() for g in grads],
     }
-    times = interleaved(rows, args.piece_repeats, warmup=3)
+    times = interleaved({row: clock.settled(fn) for row, fn in rows.items()}, args.piece_repeats, warmup=3)
     print(f"Where the gate's record cost goes ({args.piece_repeats} interleaved repeats on this model's gradients):\n")
     print(table(["piece", "median ms", "vs record gate off", "min ms", "min vs", "note"],
                 ratio_rows(times, "record, gate off")))
@@ -571,7 +635,10 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace) -> None:
 
 
 def reads_one(name: str, args: argparse.Namespace) -> None:
-    model, batches, optimizer = training(name)
+    if args.device != "cpu":
+        print(f"### {name}: not measured on {args.device} (the pieces and their reads are the CPU path's)\n")
+        return
+    model, batches, optimizer = training(name, args)
     scale = torch.full((PROBE_WIDTH,), 2.0 ** -13)
     probe_out = torch.empty(PIECE_NUMEL // PROBE_WIDTH)
     extremes, dot_out = torch.empty(2), torch.empty(())
@@ -641,9 +708,11 @@ def main() -> None:
     parser.add_argument("--piece-repeats", type=int, default=25)
     parser.add_argument("--read-rounds", type=int, default=60, help="timed rounds of the read sequences")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where parts 2 and 3 train: cpu, or cuda (timed by events)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"# The spike gate\n\nMachine: {machine()}\n")
+    where = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
+    print(f"# The spike gate\n\nMachine: {machine()}{where}\n")
     if "fp" in args.parts:
         false_positives(args)
     if "sanity" in args.parts:
