@@ -11,7 +11,8 @@ without importing a test module or starting a process:
   several modules launch is named after one of them, and its docstring names the others); every ``*_worker.py`` is
   launched by some test module, and the other scripts there are helpers no test launches;
 - every path to a test module or a worker that a file under ``tests/`` names (docstrings and comments included)
-  exists.
+  exists;
+- every worker ends through ``helpers.leave_without_finalizing`` (or ``run_scenarios``, which calls it).
 """
 
 from __future__ import annotations
@@ -136,6 +137,23 @@ def test_workers_are_launched_through_worker_results_and_named_after_their_test_
 def _serves(worker: str, module: str) -> bool:
     """``<module>_worker`` or ``<module>_<variant>_worker``."""
     return worker == f"{module}_worker" or (worker.startswith(f"{module}_") and worker.endswith("_worker"))
+
+
+#: what a worker rank ends through once its results are written (``run_scenarios`` calls the other): gloo's objects are
+#: not left to the interpreter's exit, where destroying them has aborted ranks with ``terminate called without an
+#: active exception`` after every result was written (``helpers.leave_without_finalizing``)
+WORKER_ENDINGS = ("leave_without_finalizing", "run_scenarios")
+
+
+def test_every_worker_ends_without_leaving_gloo_to_the_interpreter():
+    def calls(path: Path) -> set[str]:
+        return {node.func.id for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+
+    workers = sorted(WORKERS.glob("*_worker.py"))
+    assert workers
+    unended = [path.name for path in workers if not calls(path) & set(WORKER_ENDINGS)]
+    assert not unended, f"workers that leave gloo to the interpreter's exit: {unended}"
 
 
 def test_every_worker_is_launched_and_the_other_scripts_there_are_not():

@@ -53,7 +53,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET, ledger_state  # noqa: E402
+from helpers import QUIET, leave_without_finalizing, ledger_state  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint  # noqa: E402
 from lightning_ckguard.publish import staging  # noqa: E402
 from lightning_ckguard.publish.staging import STAGING_SUFFIX  # noqa: E402
@@ -288,6 +288,7 @@ def main() -> None:
         results = fit(strategy, os.path.join(out, "ckpts"), phase, plain="--plain" in rest)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
+    leave_without_finalizing()
 
 
 if __name__ == "__main__":

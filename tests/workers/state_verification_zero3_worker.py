@@ -31,7 +31,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from sharded_helpers import ShardedFaultModel  # noqa: E402
 from strategies import make_strategy  # noqa: E402
 
-from helpers import QUIET  # noqa: E402
+from helpers import QUIET, leave_without_finalizing  # noqa: E402
 from lightning_ckguard import FiniteGradCheckpoint, NonFiniteGradientError  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -137,6 +137,7 @@ def main() -> None:
             with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
                 json.dump(results, f, indent=1)
             torch.distributed.barrier()
+    leave_without_finalizing()
 
 
 if __name__ == "__main__":
