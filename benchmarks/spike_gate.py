@@ -73,7 +73,14 @@ from _common import CountOps, interleaved, machine, median, ms, ratio_rows, tabl
 
 from lightning_ckguard import GradientGuard  # noqa: E402
 from lightning_ckguard.agree.spikes import SpikeGate, global_values, scores  # noqa: E402
-from lightning_ckguard.record.finiteness import PIECE_NUMEL, PROBE_WIDTH, NonFiniteCheck  # noqa: E402
+from lightning_ckguard.record.finiteness import (  # noqa: E402
+    _PROBE_SCALE,
+    PIECE_NUMEL,
+    PROBE_WIDTH,
+    NonFiniteCheck,
+    _ExtremesPiece,
+    _ProbePiece,
+)
 from lightning_ckguard.record.squares import FlagsAndSquares, _squares_in_own_precision  # noqa: E402
 from lightning_ckguard.record.step_values import StepValues  # noqa: E402
 
@@ -635,24 +642,19 @@ def pieces(model: nn.Module, batches: object, args: argparse.Namespace, clock: S
 
 
 def reads_one(name: str, args: argparse.Namespace) -> None:
-    if args.device != "cpu":
+    if torch.device(args.device).type != "cpu":
         print(f"### {name}: not measured on {args.device} (the pieces and their reads are the CPU path's)\n")
         return
     model, batches, optimizer = training(name, args)
-    scale = torch.full((PROBE_WIDTH,), 2.0 ** -13)
-    probe_out = torch.empty(PIECE_NUMEL // PROBE_WIDTH)
-    extremes, dot_out = torch.empty(2), torch.empty(())
-
-    def probe(piece: Tensor) -> None:  # the library's probe of a full piece
-        torch.mv(piece.view(-1, PROBE_WIDTH), scale, out=probe_out)
+    # the library's own readers of a full piece, and the gate's dot as the library takes it
+    scale = torch.full((PROBE_WIDTH,), _PROBE_SCALE)
+    dot_out = torch.empty(())
 
     def dot(piece: Tensor) -> None:
         torch.dot(piece, piece, out=dot_out)
 
-    def aminmax(piece: Tensor) -> None:
-        torch.aminmax(piece, out=(extremes[0], extremes[1]))
-
-    kernels = {"probe": probe, "dot": dot, "aminmax": aminmax}
+    kernels = {"probe": _ProbePiece(PIECE_NUMEL, torch.empty(_ProbePiece.outputs_for(PIECE_NUMEL)), scale),
+               "dot": dot, "aminmax": _ExtremesPiece(PIECE_NUMEL, torch.empty(2), scale)}
     sequences = [("probe", "dot", "dot"), ("dot", "probe", "dot"), ("dot", "dot"), ("aminmax", "dot", "dot"),
                  ("probe", "probe")]
     times: dict[tuple[str, ...], list[list[float]]] = {seq: [[] for _ in seq] for seq in sequences}

@@ -151,7 +151,7 @@ def compared(seed: int, root: str, monkeypatch: Any, trainer_extra: dict[str, An
         return Compared(case, [f"({deviation}) listed or resumed from, not on disk: {path}" for path in missing], ends)
     if deviation == _KEPT:
         # the same in every other way: only the file stays, which ModelCheckpoint removed
-        kept = set(plain["resumed_from"]) & set(plain["io_removed"])
+        kept = _evicted_resumed_from(plain)
         plain, guarded = ({**side, "io_removes": None, "io_removed": None} for side in (plain, guarded))
         guarded["tree"] = {path: _as_if_removed(path, entry, kept) for path, entry in guarded["tree"].items()
                            if os.path.join(ROOT, path) not in kept}
@@ -242,9 +242,14 @@ def _documented_deviation(plain: dict[str, Any], guarded: dict[str, Any]) -> str
     where ``ModelCheckpoint`` keeps them in its top K)."""
     if any(warning.startswith(_DROPPED) for warning in guarded["warnings"]):
         return _DROPPED_ENTRIES
-    if {path for path in plain["resumed_from"] if path} & set(plain["io_removed"]):
+    if _evicted_resumed_from(plain):
         return _KEPT
     return None
+
+
+def _evicted_resumed_from(plain: dict[str, Any]) -> set[str]:
+    """The checkpoints ``ModelCheckpoint``'s fits resumed from that its checkpoint IO then removed."""
+    return {path for path in plain["resumed_from"] if path} & set(plain["io_removed"])
 
 
 _KEPT = "ModelCheckpoint evicted the checkpoint it resumed from"
